@@ -1,0 +1,40 @@
+"""perfsdk: drop-in performance instrumentation for PyTorch.
+
+NVTX ranges for Nsight Systems, host and CUDA-event timings without added syncs, and
+OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
+(:class:`timed_region`).
+"""
+
+import logging
+
+from perfsdk._version import __version__
+from perfsdk.config import Config, configure, get_config
+from perfsdk.decorator import profiled
+from perfsdk.errors import MissingDependencyError, NoEffectWarning, PerfSDKError, PerfSDKWarning
+from perfsdk.export.summary import RegionStats, Summary
+from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
+from perfsdk.region import Region, RegionResult
+from perfsdk.timing import timed_region
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = (
+    "Config",
+    "MissingDependencyError",
+    "NoEffectWarning",
+    "PerfSDKError",
+    "PerfSDKWarning",
+    "Region",
+    "RegionResult",
+    "RegionStats",
+    "Summary",
+    "__version__",
+    "configure",
+    "diagnostics",
+    "flush",
+    "get_config",
+    "profiled",
+    "shutdown",
+    "summary",
+    "timed_region",
+)

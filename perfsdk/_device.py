@@ -1,0 +1,92 @@
+"""The device interface: the only path from perfsdk to CUDA events, streams and counters.
+
+Everything that touches CUDA goes through :class:`CudaBackend`, so tests can swap in a fake
+(:class:`perfsdk.testing.FakeCuda`) that behaves like ``torch.cuda``. perfsdk never initializes
+CUDA itself: device timing is used only once the application has initialized CUDA, so importing
+perfsdk or running a region on a CPU-only job cannot poison a later ``fork``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["CudaBackend", "Event", "Stream", "active", "get_backend", "set_backend"]
+
+
+class Stream(Protocol):
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+class Event(Protocol):
+    """The subset of ``torch.cuda.Event`` perfsdk uses."""
+
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool: ...
+    def elapsed_time(self, end_event: Any) -> float: ...
+    def synchronize(self) -> None: ...
+
+
+class CudaBackend(Protocol):
+    """What perfsdk needs from ``torch.cuda`` (names and signatures match it)."""
+
+    def is_initialized(self) -> bool: ...
+    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
+              interprocess: bool = False) -> Event: ...
+    def current_stream(self, device: Any = None) -> Stream: ...
+    def synchronize(self, device: Any = None) -> None: ...
+    def get_device_name(self, device: Any = None) -> str: ...
+
+
+class TorchCuda:
+    """The real backend: ``torch.cuda`` itself, never initialized by perfsdk."""
+
+    def is_initialized(self) -> bool:
+        return torch.cuda.is_initialized()
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
+              interprocess: bool = False) -> Event:
+        return torch.cuda.Event(
+            enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
+        )
+
+    def current_stream(self, device: Any = None) -> Stream:
+        return torch.cuda.current_stream(device)
+
+    def synchronize(self, device: Any = None) -> None:
+        torch.cuda.synchronize(device)
+
+    def get_device_name(self, device: Any = None) -> str:
+        return torch.cuda.get_device_name(device)
+
+
+_lock = threading.Lock()
+_backend: CudaBackend = TorchCuda()
+_listeners: list[Any] = []
+
+
+def get_backend() -> CudaBackend:
+    return _backend
+
+
+def set_backend(backend: CudaBackend) -> CudaBackend:
+    """Swap the CUDA backend (tests use a fake); returns the previous one."""
+    global _backend
+    with _lock:
+        previous, _backend = _backend, backend
+    for listener in list(_listeners):
+        listener()
+    return previous
+
+
+def on_change(listener: Any) -> None:
+    _listeners.append(listener)
+
+
+def active() -> CudaBackend | None:
+    """The backend when the application has initialized CUDA, else None. Never initializes it."""
+    backend = _backend
+    return backend if backend.is_initialized() else None

@@ -1,0 +1,281 @@
+"""Configuration: one frozen :class:`Config`, read from ``PERFSDK_*`` variables, changed by
+:func:`configure`.
+
+Precedence: an explicit :func:`configure` argument beats an environment variable, which beats
+the default. A bad argument raises :class:`ValueError` naming it and the accepted values; a bad
+environment variable warns once, naming the variable, and falls back to the default (whoever
+launches the job sets those, and a typo must not kill a training run).
+
+The standard ``OTEL_*`` variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_PROTOCOL``,
+``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_RESOURCE_ATTRIBUTES`` ...) are not read here: they reach
+OpenTelemetry's own exporters untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from perfsdk.errors import warn_once
+
+__all__ = [
+    "EXPORTERS",
+    "PERFSDK_ENABLED",
+    "PERFSDK_EXPORTER",
+    "PERFSDK_EXPORT_TIMEOUT",
+    "PERFSDK_NVTX",
+    "PERFSDK_OUTPUT_DIR",
+    "PERFSDK_SAMPLE_EVERY",
+    "PERFSDK_SERVICE_NAME",
+    "Config",
+    "configure",
+    "get_config",
+]
+
+PERFSDK_ENABLED: Final = "PERFSDK_ENABLED"
+"""Turn all instrumentation on or off: ``1``/``0`` (also ``true``/``false``, ``yes``/``no``,
+``on``/``off``). Default ``1``. With ``0`` at decoration time, ``@profiled`` returns the function
+itself; at run time each call costs one flag test."""
+
+PERFSDK_EXPORTER: Final = "PERFSDK_EXPORTER"
+"""Where spans go: a comma list of ``otlp``, ``console``, ``file``, or ``none``. Default: ``otlp``
+when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, else
+``none`` (the in-process summary still works). Ignored when the application installed its own
+OpenTelemetry TracerProvider: perfsdk then uses that provider and adds nothing of its own."""
+
+PERFSDK_OUTPUT_DIR: Final = "PERFSDK_OUTPUT_DIR"
+"""Directory for files perfsdk writes (the ``file`` exporter's ``spans-<pid>.jsonl``).
+Default ``./perfsdk-output``; created on first write."""
+
+PERFSDK_SAMPLE_EVERY: Final = "PERFSDK_SAMPLE_EVERY"
+"""Record every N-th call of each decorated function or region (an integer >= 1). Default ``1``.
+An explicit ``every=`` on ``@profiled`` wins."""
+
+PERFSDK_NVTX: Final = "PERFSDK_NVTX"
+"""Emit NVTX ranges: ``1``/``0``. Default ``1``. NVTX costs ~60 ns a range when no tool is
+attached."""
+
+PERFSDK_SERVICE_NAME: Final = "PERFSDK_SERVICE_NAME"
+"""``service.name`` of perfsdk's OpenTelemetry resource. Default: ``OTEL_SERVICE_NAME`` if set,
+else ``perfsdk``."""
+
+PERFSDK_EXPORT_TIMEOUT: Final = "PERFSDK_EXPORT_TIMEOUT"
+"""Seconds that :func:`perfsdk.flush` and :func:`perfsdk.shutdown` (and so interpreter exit) wait
+at most for exporters, a float > 0. Default ``5``. An unreachable collector never hangs exit."""
+
+EXPORTERS: Final = ("otlp", "console", "file", "none")
+"""The accepted values of :data:`PERFSDK_EXPORTER` and of ``configure(exporter=...)``."""
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """perfsdk's settings. Build one with :func:`configure`; read it with :func:`get_config`."""
+
+    enabled: bool = True
+    exporters: tuple[str, ...] = ()
+    output_dir: Path = Path("perfsdk-output")
+    sample_every: int = 1
+    nvtx: bool = True
+    service_name: str = "perfsdk"
+    export_timeout_s: float = 5.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        """Read the ``PERFSDK_*`` variables; each bad value warns once and uses the default."""
+        env = os.environ if environ is None else environ
+        default = cls()
+        otlp_env = any(
+            env.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        )
+        return cls(
+            enabled=_env(env, PERFSDK_ENABLED, _parse_bool, default.enabled),
+            exporters=_env(env, PERFSDK_EXPORTER, _parse_exporters, ("otlp",) if otlp_env else ()),
+            output_dir=_env(env, PERFSDK_OUTPUT_DIR, _parse_path, default.output_dir),
+            sample_every=_env(env, PERFSDK_SAMPLE_EVERY, _parse_every, default.sample_every),
+            nvtx=_env(env, PERFSDK_NVTX, _parse_bool, default.nvtx),
+            service_name=_env(
+                env, PERFSDK_SERVICE_NAME, _parse_name, env.get("OTEL_SERVICE_NAME") or "perfsdk"
+            ),
+            export_timeout_s=_env(
+                env, PERFSDK_EXPORT_TIMEOUT, _parse_timeout, default.export_timeout_s
+            ),
+        )
+
+
+def _env(env: Mapping[str, str], name: str, parse: Callable[[str], Any], default: Any) -> Any:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        warn_once(
+            f"env:{name}",
+            f"perfsdk: ignoring {name}={raw!r}: {exc}. Using the default, {_show(default)}.",
+        )
+        return default
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return str(value)
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError("accepted values are 1/0, true/false, yes/no, on/off")
+
+
+def _parse_exporters(raw: str | Iterable[str]) -> tuple[str, ...]:
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    names = [str(item).strip().lower() for item in items if str(item).strip()]
+    bad = [n for n in names if n not in EXPORTERS]
+    if bad or not names:
+        raise ValueError(
+            f"unknown exporter {', '.join(map(repr, bad)) or '(empty)'}; accepted values are a "
+            f"comma list of {', '.join(EXPORTERS)}"
+        )
+    if "none" in names and len(names) > 1:
+        raise ValueError("'none' cannot be combined with other exporters")
+    return tuple(dict.fromkeys(n for n in names if n != "none"))
+
+
+def _parse_path(raw: str | os.PathLike[str]) -> Path:
+    return Path(raw).expanduser()
+
+
+def _parse_every(raw: str | int) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError("accepted values are integers >= 1") from None
+    if isinstance(raw, bool) or value < 1:
+        raise ValueError("accepted values are integers >= 1")
+    return value
+
+
+def _parse_name(raw: str) -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError("accepted values are non-empty strings")
+    return raw.strip()
+
+
+def _parse_timeout(raw: str | float) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError("accepted values are numbers of seconds > 0") from None
+    if isinstance(raw, bool) or not value > 0:
+        raise ValueError("accepted values are numbers of seconds > 0")
+    return value
+
+
+class _HotState:
+    """The few settings read on every call, as plain attributes (one attribute load each)."""
+
+    __slots__ = ("enabled", "nvtx", "sample_every")
+
+    def __init__(self, config: Config) -> None:
+        self.enabled = config.enabled
+        self.nvtx = config.nvtx
+        self.sample_every = config.sample_every
+
+
+_lock = threading.Lock()
+_config = Config.from_env()
+state = _HotState(_config)
+_listeners: list[Callable[[Config, Config], None]] = []
+_UNSET: Any = object()
+
+
+def get_config() -> Config:
+    """The settings in force now."""
+    return _config
+
+
+def configure(
+    *,
+    enabled: bool = _UNSET,
+    exporter: str | Iterable[str] = _UNSET,
+    output_dir: str | os.PathLike[str] = _UNSET,
+    sample_every: int = _UNSET,
+    nvtx: bool = _UNSET,
+    service_name: str = _UNSET,
+    export_timeout_s: float = _UNSET,
+) -> Config:
+    """Change perfsdk's settings; arguments left out keep their current value.
+
+    Args:
+        enabled: turn instrumentation on or off at run time.
+        exporter: one of ``otlp``, ``console``, ``file``, ``none``, or a list / comma string of them.
+        output_dir: where the ``file`` exporter writes ``spans-<pid>.jsonl``.
+        sample_every: record every N-th call of each region (N >= 1).
+        nvtx: emit NVTX ranges.
+        service_name: ``service.name`` of perfsdk's OpenTelemetry resource.
+        export_timeout_s: the longest :func:`perfsdk.flush` / exit waits for exporters.
+
+    Raises:
+        ValueError: an argument has a value outside those accepted; the message names both.
+
+    Example:
+        >>> import perfsdk
+        >>> perfsdk.configure(exporter="none", sample_every=1).sample_every
+        1
+    """
+    changes: dict[str, Any] = {}
+    if enabled is not _UNSET:
+        changes["enabled"] = _arg_bool("enabled", enabled)
+    if nvtx is not _UNSET:
+        changes["nvtx"] = _arg_bool("nvtx", nvtx)
+    for arg, field, value, parse in (
+        ("exporter", "exporters", exporter, _parse_exporters),
+        ("output_dir", "output_dir", output_dir, _parse_path),
+        ("sample_every", "sample_every", sample_every, _parse_every),
+        ("service_name", "service_name", service_name, _parse_name),
+        ("export_timeout_s", "export_timeout_s", export_timeout_s, _parse_timeout),
+    ):
+        if value is _UNSET:
+            continue
+        try:
+            changes[field] = parse(value)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"configure({arg}={value!r}): {exc}") from None
+    return _replace(dataclasses.replace(_config, **changes))
+
+
+def reset_from_env() -> Config:
+    """Forget :func:`configure` calls and read the environment again (for tests and workers)."""
+    return _replace(Config.from_env())
+
+
+def _arg_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"configure({name}={value!r}): accepted values are True or False")
+    return value
+
+
+def _replace(new: Config) -> Config:
+    global _config
+    with _lock:
+        for listener in list(_listeners):
+            listener(_config, new)  # may raise (e.g. a missing exporter): nothing changed then
+        _config = new
+        state.enabled, state.nvtx, state.sample_every = new.enabled, new.nvtx, new.sample_every
+    return new
+
+
+def on_change(listener: Callable[[Config, Config], None]) -> None:
+    """Call ``listener(old, new)`` before each change takes effect; raising cancels it."""
+    _listeners.append(listener)

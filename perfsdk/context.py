@@ -1,0 +1,67 @@
+"""The current region, as OpenTelemetry's current span.
+
+A :class:`~perfsdk.region.Region` *is* an OpenTelemetry ``Span`` (a light, non-SDK one), made
+current for the region's body. So perfsdk's own nesting, the user's OpenTelemetry spans opened
+inside a region, ``trace.get_current_span().set_attribute(...)`` and context propagation all see
+the same thing, across threads that copy the context and across ``await``. Without the
+``opentelemetry-api`` package, a plain ``ContextVar`` stands in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+__all__ = ["HAVE_OTEL", "SpanBase", "attach", "current_span", "detach", "span_context"]
+
+try:
+    from opentelemetry import context as _otel_context
+    from opentelemetry import trace as _otel_trace
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    HAVE_OTEL = True
+except ImportError:  # optional: pip install opentelemetry-api
+    HAVE_OTEL = False
+
+if HAVE_OTEL:
+    SpanBase: Any = _otel_trace.Span
+    current_span = _otel_trace.get_current_span
+    _set_span_in_context = _otel_trace.set_span_in_context
+    _attach = _otel_context.attach
+    detach = _otel_context.detach
+    _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+    def attach(span: Any) -> object:
+        return _attach(_set_span_in_context(span))
+
+    def span_context(trace_id: int, span_id: int) -> Any:
+        return SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+
+    def parent_ids(span: Any) -> tuple[int, int]:
+        """(trace_id, span_id) of a foreign current span, (0, 0) when there is none."""
+        ctx = span.get_span_context()
+        if ctx.is_valid:
+            return ctx.trace_id, ctx.span_id
+        return 0, 0
+
+else:
+    SpanBase = object
+    _current: contextvars.ContextVar[Any] = contextvars.ContextVar("perfsdk_region", default=None)
+
+    def current_span() -> Any:
+        return _current.get()
+
+    def attach(span: Any) -> object:
+        return _current.set(span)
+
+    def detach(token: Any) -> None:
+        try:
+            _current.reset(token)
+        except ValueError:  # token from another context: leave it
+            pass
+
+    def span_context(trace_id: int, span_id: int) -> Any:
+        return None
+
+    def parent_ids(span: Any) -> tuple[int, int]:
+        return 0, 0

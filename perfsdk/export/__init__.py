@@ -1,0 +1,1 @@
+"""Where finished regions go: spans (:mod:`.otel`) and the in-process summary (:mod:`.summary`)."""

@@ -1,0 +1,197 @@
+"""The in-process summary: count, total, mean and p50/p95/p99 of host and device time per region.
+
+Each name keeps at most ``RESERVOIR`` samples (uniform reservoir sampling beyond that), so a
+million-step run uses bounded memory while count, total and mean stay exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["RegionStats", "Summary", "SummarySink"]
+
+RESERVOIR = 10_000
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in 0..100) of already sorted values."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionStats:
+    """One row of the summary (milliseconds). Device fields are None without device timings."""
+
+    name: str
+    count: int
+    errors: int
+    total_ms: float
+    mean_ms: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    device_count: int = 0
+    device_total_ms: float | None = None
+    device_mean_ms: float | None = None
+    device_p50_ms: float | None = None
+    device_p95_ms: float | None = None
+    device_p99_ms: float | None = None
+
+
+class _Series:
+    __slots__ = ("count", "rng", "samples", "total")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.samples: list[float] = []
+        self.rng = random.Random(0)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if len(self.samples) < RESERVOIR:
+            self.samples.append(value)
+        else:
+            slot = self.rng.randrange(self.count)
+            if slot < RESERVOIR:
+                self.samples[slot] = value
+
+
+class _Acc:
+    __slots__ = ("device", "errors", "host")
+
+    def __init__(self) -> None:
+        self.host = _Series()
+        self.device = _Series()
+        self.errors = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The summary table: iterate it, index it by name, or ``print`` it."""
+
+    rows: tuple[RegionStats, ...]
+
+    def __iter__(self) -> Iterator[RegionStats]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, name: str) -> RegionStats:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return any(row.name == name for row in self.rows)
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(row) for row in self.rows]
+
+    def __str__(self) -> str:
+        return render(self.rows)
+
+
+def _ms(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    if value >= 100:
+        return f"{value:,.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def render(rows: Sequence[RegionStats]) -> str:
+    """A plain-text table, widest region first; device columns only when there are timings."""
+    if not rows:
+        return "perfsdk summary: no regions recorded yet."
+    device = any(r.device_count for r in rows)
+    headers = ["region", "calls", "errors", "total ms", "mean ms", "p50 ms", "p95 ms", "p99 ms"]
+    if device:
+        headers += ["gpu total ms", "gpu mean ms", "gpu p50", "gpu p95", "gpu p99"]
+    body = []
+    for r in rows:
+        line = [r.name, f"{r.count:,}", f"{r.errors:,}" if r.errors else "", _ms(r.total_ms),
+                _ms(r.mean_ms), _ms(r.p50_ms), _ms(r.p95_ms), _ms(r.p99_ms)]
+        if device:
+            line += [_ms(r.device_total_ms), _ms(r.device_mean_ms), _ms(r.device_p50_ms),
+                     _ms(r.device_p95_ms), _ms(r.device_p99_ms)]
+        body.append(line)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+
+    def fmt(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest]).rstrip()
+
+    rule = "-" * len(fmt(headers))
+    return "\n".join([fmt(headers), rule, *(fmt(b) for b in body)])
+
+
+class SummarySink:
+    """Aggregates resolved regions by name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._acc: dict[str, _Acc] = {}
+
+    def consume(self, regions: list[Any]) -> None:
+        with self._lock:
+            acc_by_name = self._acc
+            for region in regions:
+                name = region.spec.name
+                acc = acc_by_name.get(name)
+                if acc is None:
+                    acc = acc_by_name[name] = _Acc()
+                acc.host.add((region.t1 - region.t0) / 1e6)
+                if region.device_ms is not None:
+                    acc.device.add(region.device_ms)
+                if region.error is not None:
+                    acc.errors += 1
+
+    def flush(self, timeout: float) -> None:
+        pass
+
+    def shutdown(self, timeout: float) -> None:
+        pass
+
+    def after_fork(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._acc.clear()
+
+    def snapshot(self) -> Summary:
+        with self._lock:
+            items = [(name, acc.host.count, acc.host.total, sorted(acc.host.samples), acc.errors,
+                      acc.device.count, acc.device.total, sorted(acc.device.samples))
+                     for name, acc in self._acc.items()]
+        rows = []
+        for name, count, total, host, errors, dcount, dtotal, dev in items:
+            rows.append(RegionStats(
+                name=name, count=count, errors=errors, total_ms=total, mean_ms=total / count,
+                p50_ms=percentile(host, 50), p95_ms=percentile(host, 95),
+                p99_ms=percentile(host, 99), device_count=dcount,
+                device_total_ms=dtotal if dcount else None,
+                device_mean_ms=dtotal / dcount if dcount else None,
+                device_p50_ms=percentile(dev, 50) if dcount else None,
+                device_p95_ms=percentile(dev, 95) if dcount else None,
+                device_p99_ms=percentile(dev, 99) if dcount else None,
+            ))
+        rows.sort(key=lambda r: (r.device_total_ms or 0.0, r.total_ms), reverse=True)
+        return Summary(tuple(rows))

@@ -1,0 +1,81 @@
+"""Flush, shutdown, summary and diagnostics: the process-wide ends of the pipeline."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from perfsdk import config as _config
+from perfsdk import errors
+from perfsdk.config import Config
+from perfsdk.export.summary import Summary, SummarySink
+from perfsdk.pipeline import PIPELINE
+
+__all__ = ["diagnostics", "flush", "shutdown", "summary"]
+
+SUMMARY = SummarySink()
+PIPELINE.sinks.append(SUMMARY)
+
+try:
+    from perfsdk.export.otel import SpanSink
+except ImportError:  # optional: pip install opentelemetry-sdk
+    SPANS: Any = None
+else:
+    SPANS = SpanSink(_config.get_config())
+    PIPELINE.sinks.append(SPANS)
+
+
+def _on_change(old: Config, new: Config) -> None:
+    if SPANS is None:
+        if new.exporters:
+            raise errors.MissingDependencyError(
+                "opentelemetry-sdk", "otlp", f"exporter={','.join(new.exporters)}")
+        return
+    fields = ("exporters", "output_dir", "service_name")
+    if any(getattr(old, f) != getattr(new, f) for f in fields):
+        PIPELINE.drain(wait=False)  # regions so far go out under the old settings
+        SPANS.configure(new, timeout=old.export_timeout_s)
+        if new.exporters:
+            SPANS.validate()
+
+
+_config.on_change(_on_change)
+
+
+def flush(timeout: float | None = None) -> None:
+    """Resolve every finished region (waiting for their GPU work) and push spans out.
+
+    Waits at most ``timeout`` seconds (default ``PERFSDK_EXPORT_TIMEOUT``) for exporters.
+    """
+    PIPELINE.flush(_config.get_config().export_timeout_s if timeout is None else timeout)
+
+
+def shutdown(timeout: float | None = None) -> None:
+    """Flush and close perfsdk's exporters. Runs by itself at interpreter exit."""
+    PIPELINE.shutdown(_config.get_config().export_timeout_s if timeout is None else timeout)
+
+
+def summary(*, show: bool = True, file: TextIO | None = None) -> Summary:
+    """Flush, then return the per-region summary, printing it as a table when ``show``.
+
+    Example:
+        >>> import perfsdk
+        >>> table = perfsdk.summary(show=False)
+        >>> isinstance(table.rows, tuple)
+        True
+    """
+    PIPELINE.drain(wait=True)
+    table = SUMMARY.snapshot()
+    if show:
+        out = sys.stdout if file is None else file
+        out.write(f"{table}\n")
+    return table
+
+
+def diagnostics() -> dict[str, Any]:
+    """What perfsdk's own machinery did: warnings by kind, pending regions, spans exported."""
+    info: dict[str, Any] = {"warnings": errors.counts(), "pending_regions": PIPELINE.pending}
+    if SPANS is not None:
+        info["span_mode"] = SPANS._mode or "undecided"
+        info.update(SPANS.stats())
+    return info

@@ -1,0 +1,118 @@
+"""Live markers on the calling thread: NVTX ranges and torch.profiler annotations.
+
+Attributes are resolved once, when a region is declared (decoration or ``timed_region(...)``),
+so entering a region costs one NVTX push and, only while a torch profiler is recording, one
+fast record-function.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import zlib
+from typing import Any
+
+import torch
+
+from perfsdk.errors import warn_once
+
+try:  # optional at run time: perfsdk works without it, minus NVTX ranges
+    import nvtx as _nvtx
+except Exception:  # noqa: BLE001 - a broken install must not break import perfsdk
+    _nvtx = None
+
+__all__ = ["COLORS", "NvtxMarker", "color_for", "parse_color", "profiler_active"]
+
+COLORS: dict[str, int] = {
+    "green": 0xFF008000,
+    "blue": 0xFF0000FF,
+    "yellow": 0xFFFFFF00,
+    "purple": 0xFF800080,
+    "cyan": 0xFF00FFFF,
+    "red": 0xFFFF0000,
+    "white": 0xFFFFFFFF,
+    "darkgreen": 0xFF006400,
+    "orange": 0xFFFFA500,
+    "magenta": 0xFFFF00FF,
+    "gray": 0xFF808080,
+    "black": 0xFF000000,
+}
+"""Named colors accepted by ``color=`` (besides ``#RRGGBB`` strings and ``0xAARRGGBB`` ints)."""
+
+# Distinguishable on Nsight's dark and light timelines; a name always maps to the same one.
+_PALETTE = (
+    0xFF4E79A7, 0xFFF28E2B, 0xFFE15759, 0xFF76B7B2, 0xFF59A14F,
+    0xFFEDC948, 0xFFB07AA1, 0xFFFF9DA7, 0xFF9C755F, 0xFFBAB0AC,
+)
+_HEX = re.compile(r"^#?([0-9a-fA-F]{6}|[0-9a-fA-F]{8})$")
+
+
+def color_for(name: str) -> int:
+    """The stable ARGB color for a region name (the same in every run and process)."""
+    return _PALETTE[zlib.crc32(name.encode()) % len(_PALETTE)]
+
+
+def parse_color(color: str | int | None, name: str) -> int:
+    """``color=`` as ARGB; None picks :func:`color_for`. Raises ValueError naming the argument."""
+    if color is None:
+        return color_for(name)
+    if isinstance(color, bool):
+        pass
+    elif isinstance(color, int):
+        if 0 <= color <= 0xFFFFFF:
+            return 0xFF000000 | color
+        if color <= 0xFFFFFFFF and color >= 0:
+            return color
+    elif isinstance(color, str):
+        key = color.strip().lower()
+        if key in COLORS:
+            return COLORS[key]
+        match = _HEX.match(key)
+        if match:
+            digits = match.group(1)
+            return int(digits, 16) | (0xFF000000 if len(digits) == 6 else 0)
+    raise ValueError(
+        f"color={color!r} is not a color; accepted values are one of "
+        f"{', '.join(sorted(COLORS))}, a '#RRGGBB' string or a 0xRRGGBB / 0xAARRGGBB integer"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _domain(name: str) -> Any:
+    assert _nvtx is not None
+    return _nvtx.get_domain(name)
+
+
+class NvtxMarker:
+    """A domain and pre-built event attributes; ``push``/``pop`` are the only per-call work."""
+
+    __slots__ = ("attributes", "domain", "push", "start")
+
+    def __init__(
+        self, domain: str, message: str, color: int, category: str | None, payload: int | None
+    ) -> None:
+        self.domain: Any = None
+        self.attributes: Any = None
+        if _nvtx is None:
+            warn_once("nvtx-missing", "perfsdk: the 'nvtx' package is not installed; regions "
+                      "emit no NVTX ranges. Install it with: pip install nvtx")
+            return
+        try:
+            dom = _domain(domain)
+            self.attributes = dom.get_event_attributes(
+                message=message,
+                color=color,
+                category=category if category else None,
+                payload=payload,
+            )
+            self.domain = dom
+        except Exception as exc:  # noqa: BLE001 - NVTX trouble must not break the program
+            warn_once("nvtx-error", f"perfsdk: NVTX unavailable ({exc!r}); no NVTX ranges.")
+
+
+def profiler_active() -> bool:
+    """True while a torch profiler (or anything else) collects record-function events."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+record_function_fast: Any = torch._C._profiler._RecordFunctionFast

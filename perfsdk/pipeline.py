@@ -1,0 +1,170 @@
+"""The pending queue: finished regions wait here until their device time is known, then go to
+the sinks (summary, spans, test captures) in the background.
+
+The training thread only appends to a deque. A daemon thread wakes every ``interval`` seconds,
+resolves the regions whose end event's ``query()`` says done and hands them to the sinks; the
+rest wait for a later round. :meth:`Pipeline.flush` does the same on the caller's thread and
+waits for what is still on the GPU (the user asked to flush); so does interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections import deque
+from typing import Any, Protocol
+
+from perfsdk import _device, clocks
+from perfsdk.errors import warn_once
+
+__all__ = ["PIPELINE", "Pipeline", "Sink"]
+
+
+class Sink(Protocol):
+    """Where resolved regions go."""
+
+    def consume(self, regions: list[Any]) -> None: ...
+    def flush(self, timeout: float) -> None: ...
+    def shutdown(self, timeout: float) -> None: ...
+
+
+class Pipeline:
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.sinks: list[Sink] = []
+        self._init_state()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def _init_state(self) -> None:
+        self._queue: deque[Any] = deque()
+        self._waiting: list[Any] = []
+        self._drain_lock = threading.Lock()
+        self._resolve_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- the hot path ----------------------------------------------------------------------
+    def submit(self, region: Any) -> None:
+        self._queue.append(region)
+        if self._thread is None:
+            self._start()
+
+    # -- background ------------------------------------------------------------------------
+    def _start(self) -> None:
+        with self._drain_lock:
+            if self._thread is not None or self._stopping:
+                return
+            thread = threading.Thread(target=self._run, name="perfsdk-pipeline", daemon=True)
+            self._thread = thread
+        thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if not self._stopping:
+                self.drain(wait=False)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        """Regions not yet handed to the sinks (queued or waiting for the GPU)."""
+        return len(self._queue) + len(self._waiting)
+
+    def drain(self, wait: bool) -> int:
+        """Hand every resolvable region to the sinks; with ``wait``, wait for the GPU first."""
+        with self._drain_lock:
+            batch, self._waiting = self._waiting, []
+            queue = self._queue
+            while queue:
+                batch.append(queue.popleft())
+            ready: list[Any] = []
+            for region in batch:
+                (ready if self.resolve(region, wait) else self._waiting).append(region)
+            if ready:
+                for sink in list(self.sinks):
+                    try:
+                        sink.consume(ready)
+                    except Exception as exc:  # noqa: BLE001 - never break the program
+                        warn_once(f"sink:{type(sink).__name__}",
+                                  f"perfsdk: {type(sink).__name__} failed ({exc!r}); "
+                                  "continuing without it for these regions.")
+            return len(ready)
+
+    def resolve(self, region: Any, wait: bool) -> bool:
+        """Fill in ``region.device_ms`` if its end event is done (or, with ``wait``, once it is).
+
+        Waiting uses the region's own end event only, never a device-wide sync.
+        """
+        if region.resolved:
+            return True
+        with self._resolve_lock:
+            if region.resolved:
+                return True
+            start, end = region.start_event, region.end_event
+            if start is not None and end is not None:
+                try:
+                    if not end.query():
+                        if not wait:
+                            return False
+                        end.synchronize()
+                    region.device_ms = start.elapsed_time(end)
+                except Exception as exc:  # noqa: BLE001 - a CUDA error must not break the program
+                    warn_once("device-timing", f"perfsdk: could not read CUDA event timing "
+                              f"({exc!r}); device_ms is left empty.")
+                pool = clocks.event_pool(_device.get_backend())
+                pool.put(start)
+                pool.put(end)
+                region.start_event = region.end_event = None
+            region.resolved = True
+            return True
+
+    def flush(self, timeout: float) -> None:
+        self.drain(wait=True)
+        for sink in list(self.sinks):
+            try:
+                sink.flush(timeout)
+            except Exception as exc:  # noqa: BLE001
+                warn_once(f"flush:{type(sink).__name__}",
+                          f"perfsdk: flushing {type(sink).__name__} failed ({exc!r}).")
+
+    def shutdown(self, timeout: float) -> None:
+        self._stopping = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._thread = None
+        self.drain(wait=True)
+        for sink in list(self.sinks):
+            try:
+                sink.shutdown(timeout)
+            except Exception as exc:  # noqa: BLE001
+                warn_once(f"shutdown:{type(sink).__name__}",
+                          f"perfsdk: shutting down {type(sink).__name__} failed ({exc!r}).")
+        self._stopping = False
+
+    def _after_fork(self) -> None:
+        # The child has no pipeline thread and must not re-export the parent's regions.
+        self._init_state()
+        for sink in self.sinks:
+            after_fork = getattr(sink, "after_fork", None)
+            if after_fork is not None:
+                after_fork()
+
+
+PIPELINE = Pipeline()
+
+
+def _at_exit() -> None:
+    from perfsdk.config import get_config
+
+    PIPELINE.shutdown(get_config().export_timeout_s)
+
+
+atexit.register(_at_exit)

@@ -1,0 +1,332 @@
+"""Region: the one code path behind ``@profiled``, ``timed_region``, module hooks and steps.
+
+A :class:`RegionSpec` is built once where a region is declared (names, NVTX attributes, code
+location). Each entry creates a fresh :class:`Region`, so regions nest, recurse and run on many
+threads. Enter and exit do only the live work on the calling thread (NVTX, record-function,
+current context, clocks); the finished region goes to the pipeline, which resolves device time
+and builds spans in the background.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+from perfsdk import _device, clocks, markers
+from perfsdk import context as _ctx
+from perfsdk.config import state as _state
+from perfsdk.pipeline import PIPELINE
+
+__all__ = ["Region", "RegionResult", "RegionSpec", "validate_attributes"]
+
+_perf_ns = time.perf_counter_ns
+_getrandbits = random.getrandbits
+_profiler_active = markers.profiler_active
+_record_function = markers.record_function_fast
+_current_span = _ctx.current_span
+_attach = _ctx.attach
+_detach = _ctx.detach
+_active_device = _device.active
+_event_pool = clocks.event_pool
+
+AttributeValue = str | bool | int | float | tuple[Any, ...] | list[Any]
+
+
+def validate_attributes(attributes: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """Span attributes must be str/bool/int/float or sequences of them; raise naming the key."""
+    out: dict[str, Any] = {}
+    for key, value in (attributes or {}).items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{where}: attribute names must be non-empty strings, got {key!r}")
+        if isinstance(value, (str, bool, int, float)):
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(
+            isinstance(v, (str, bool, int, float)) for v in value
+        ):
+            out[key] = tuple(value)
+        else:
+            raise ValueError(
+                f"{where}: attribute {key!r}={value!r} has type {type(value).__name__}; accepted "
+                "values are str, bool, int, float, or a list/tuple of those"
+            )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionSpec:
+    """What is fixed where a region is declared. Build with :meth:`create`."""
+
+    name: str
+    domain: str
+    color: int
+    category: str | None
+    payload: int | None
+    attributes: Mapping[str, Any]
+    sync: bool
+    asynchronous: bool
+    nvtx: markers.NvtxMarker = dataclasses.field(compare=False, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        domain: str = "perfsdk",
+        color: str | int | None = None,
+        category: str | None = None,
+        payload: int | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        code: Mapping[str, Any] | None = None,
+        sync: bool = False,
+        asynchronous: bool = False,
+        where: str = "profiled",
+    ) -> RegionSpec:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: name={name!r}; accepted values are non-empty strings")
+        if not isinstance(domain, str) or not domain:
+            raise ValueError(f"{where}: domain={domain!r}; accepted values are non-empty strings")
+        if category is not None and (not isinstance(category, str) or not category):
+            raise ValueError(
+                f"{where}: category={category!r}; accepted values are None or a non-empty string"
+            )
+        if payload is not None and (isinstance(payload, bool) or not isinstance(payload, int)
+                                    or not -(2**63) <= payload < 2**64):
+            raise ValueError(
+                f"{where}: payload={payload!r}; accepted values are None or an integer that "
+                "fits in 64 bits"
+            )
+        if not isinstance(sync, bool):
+            raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")
+        argb = _parse_color(color, name, where)
+        attrs = dict(code or {})
+        attrs.update(validate_attributes(attributes, where))
+        if category:
+            attrs["perfsdk.category"] = category
+        if payload is not None:
+            attrs["perfsdk.payload"] = payload
+        return cls(
+            name=name,
+            domain=domain,
+            color=argb,
+            category=category,
+            payload=payload,
+            attributes=MappingProxyType(attrs),
+            sync=sync,
+            asynchronous=asynchronous,
+            nvtx=markers.NvtxMarker(domain, name, argb, category, payload),
+        )
+
+
+def _parse_color(color: str | int | None, name: str, where: str) -> int:
+    try:
+        return markers.parse_color(color, name)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionResult:
+    """A resolved region: what :meth:`Region.result` returns and ``perfsdk.testing`` captures."""
+
+    name: str
+    host_ms: float
+    device_ms: float | None
+    attributes: Mapping[str, Any]
+    error: BaseException | None
+    start_ns: int
+    end_ns: int
+    trace_id: int
+    span_id: int
+    parent_span_id: int
+    thread_id: int
+
+
+class Region(_ctx.SpanBase):  # type: ignore[misc]
+    """One entry into a region; also the OpenTelemetry current span while its body runs.
+
+    The handle that ``timed_region`` yields: ``host_ms`` is known at exit, ``device_ms`` once the
+    GPU has finished the region's work (None without a GPU), and :meth:`result` waits for this
+    one region only.
+    """
+
+    __slots__ = (
+        "_attributes", "_range_id", "_rf", "_token", "device_ms", "end_event", "error",
+        "events", "parent_id", "pipeline", "resolved", "span_id", "spec", "start_event", "t0",
+        "t1", "thread_id", "trace_id",
+    )
+
+    def __init__(self, spec: RegionSpec, attributes: dict[str, Any] | None = None) -> None:
+        self.spec = spec
+        self._attributes = attributes
+        self.events: list[tuple[str, dict[str, Any], int]] | None = None
+        self.error: BaseException | None = None
+        self.start_event: _device.Event | None = None
+        self.end_event: _device.Event | None = None
+        self.device_ms: float | None = None
+        self.t0 = 0
+        self.t1 = 0
+        self.resolved = False
+        self._rf: Any = None
+
+    # -- live half: on the calling thread -------------------------------------------------
+    def enter(self) -> Region:
+        spec = self.spec
+        if _state.nvtx:
+            dom = spec.nvtx.domain
+            if dom is not None:
+                if spec.asynchronous:  # ranges that may interleave with other tasks
+                    self._range_id = dom.start_range(spec.nvtx.attributes)
+                else:
+                    dom.push_range(spec.nvtx.attributes)
+        if _profiler_active():
+            rf = _record_function(spec.name)
+            rf.__enter__()
+            self._rf = rf
+        parent = _current_span()
+        if type(parent) is Region:
+            self.trace_id = parent.trace_id
+            self.parent_id = parent.span_id
+        else:
+            self.trace_id, self.parent_id = _ctx.parent_ids(parent) if parent is not None else (0, 0)
+            if not self.trace_id:
+                self.trace_id = _getrandbits(128) or 1
+        self.span_id = _getrandbits(64) or 1
+        self.thread_id = threading.get_ident()
+        self._token = _attach(self)
+        device = _active_device()
+        if device is not None:
+            event = _event_pool(device).get()
+            event.record()
+            self.start_event = event
+        self.t0 = _perf_ns()
+        return self
+
+    def exit(self, error: BaseException | None = None) -> None:
+        t1 = _perf_ns()
+        start = self.start_event
+        if start is not None:
+            pool = _event_pool(_device.get_backend())
+            end = pool.get()
+            end.record()
+            self.end_event = end
+        self.t1 = t1
+        self.error = error
+        try:
+            _detach(self._token)
+        finally:
+            rf = self._rf
+            if rf is not None:
+                self._rf = None
+                rf.__exit__(None, None, None)
+            spec = self.spec
+            if _state.nvtx:
+                dom = spec.nvtx.domain
+                if dom is not None:
+                    if spec.asynchronous:
+                        dom.end_range(self._range_id)
+                    else:
+                        dom.pop_range()
+            if spec.sync and start is not None:
+                PIPELINE.resolve(self, wait=True)
+            PIPELINE.submit(self)
+
+    def __enter__(self) -> Region:
+        return self.enter()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.exit(exc)
+
+    # -- the handle -----------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def host_ms(self) -> float | None:
+        """Host (wall) milliseconds; None until the region has exited."""
+        return (self.t1 - self.t0) / 1e6 if self.t1 else None
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        """The region's attributes: declared, per call, and those set while it ran."""
+        if self._attributes:
+            merged = dict(self.spec.attributes)
+            merged.update(self._attributes)
+            return MappingProxyType(merged)
+        return self.spec.attributes
+
+    def result(self) -> RegionResult:
+        """Wait for this region's device time (only this region's end event) and return it."""
+        if not self.t1:
+            raise RuntimeError(f"region {self.spec.name!r} has not exited yet; call result() "
+                               "after its 'with' block")
+        PIPELINE.resolve(self, wait=True)
+        return self.to_result()
+
+    def to_result(self) -> RegionResult:
+        return RegionResult(
+            name=self.spec.name,
+            host_ms=(self.t1 - self.t0) / 1e6,
+            device_ms=self.device_ms,
+            attributes=self.attributes,
+            error=self.error,
+            start_ns=clocks.epoch_ns(self.t0),
+            end_ns=clocks.epoch_ns(self.t1),
+            trace_id=self.trace_id,
+            span_id=self.span_id,
+            parent_span_id=self.parent_id,
+            thread_id=self.thread_id,
+        )
+
+    # -- the OpenTelemetry Span interface (so user code can annotate the current region) ----
+    def get_span_context(self) -> Any:
+        return _ctx.span_context(self.trace_id, self.span_id)
+
+    def is_recording(self) -> bool:
+        return not self.t1
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self._attributes is None:
+            self._attributes = {}
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def add_event(
+        self, name: str, attributes: Mapping[str, Any] | None = None,
+        timestamp: int | None = None,
+    ) -> None:
+        if self.events is None:
+            self.events = []
+        when = timestamp if timestamp is not None else clocks.epoch_ns(_perf_ns())
+        self.events.append((name, dict(attributes or {}), when))
+
+    def update_name(self, name: str) -> None:
+        """Names are fixed where the region is declared; renaming is ignored."""
+
+    def set_status(self, status: Any, description: str | None = None) -> None:
+        """Status is derived from whether the body raised."""
+
+    def record_exception(
+        self, exception: BaseException, attributes: Any = None, timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        self.add_event("exception", {"exception.type": type(exception).__qualname__,
+                                     "exception.message": str(exception)}, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        """A region ends when its block or call does."""
+
+    def __repr__(self) -> str:
+        state = "running" if not self.t1 else f"{self.host_ms:.3f} ms"
+        return f"<Region {self.spec.name!r} {state}>"

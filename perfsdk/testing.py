@@ -1,0 +1,199 @@
+"""Test helpers, for perfsdk's tests and for users' own: capture regions and spans in memory,
+and a fake CUDA device whose events complete when the test says so.
+
+Example:
+    >>> import perfsdk
+    >>> from perfsdk.testing import capture
+    >>> @perfsdk.profiled("double")
+    ... def double(x):
+    ...     return 2 * x
+    >>> with capture() as cap:
+    ...     _ = double(4)
+    >>> [r.name for r in cap.regions], cap.spans[0].name
+    (['double'], 'double')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from perfsdk import _device, clocks
+from perfsdk.config import get_config
+from perfsdk.pipeline import PIPELINE
+from perfsdk.region import RegionResult
+
+__all__ = ["Capture", "FakeCuda", "FakeEvent", "FakeStream", "capture", "use_fake_cuda"]
+
+
+class Capture:
+    """Collects every region that resolves while it is active, and the span built from each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.regions: list[RegionResult] = []
+        self.spans: list[Any] = []
+        self._resource: Any = None
+
+    def consume(self, regions: list[Any]) -> None:
+        results = [r.to_result() for r in regions]
+        spans: list[Any] = []
+        try:
+            from perfsdk.export.otel import build_resource, region_span
+        except ImportError:  # no OpenTelemetry SDK: regions only
+            pass
+        else:
+            if self._resource is None:
+                self._resource = build_resource(get_config())
+            spans = [region_span(r, self._resource) for r in regions]
+        with self._lock:
+            self.regions.extend(results)
+            self.spans.extend(spans)
+
+    def flush(self, timeout: float) -> None:
+        pass
+
+    def shutdown(self, timeout: float) -> None:
+        pass
+
+    def named(self, name: str) -> list[RegionResult]:
+        """The captured regions called ``name``, in the order they resolved."""
+        with self._lock:
+            return [r for r in self.regions if r.name == name]
+
+    def span(self, name: str) -> Any:
+        """The one captured span called ``name`` (AssertionError if there are 0 or several)."""
+        with self._lock:
+            found = [s for s in self.spans if s.name == name]
+        if len(found) != 1:
+            raise AssertionError(f"expected one span {name!r}, found {len(found)}: "
+                                 f"{sorted(s.name for s in self.spans)}")
+        return found[0]
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[Capture]:
+    """Capture resolved regions and their spans until the block ends (then flushes)."""
+    PIPELINE.drain(wait=True)  # regions from before the block are not captured
+    cap = Capture()
+    PIPELINE.sinks.append(cap)
+    try:
+        yield cap
+    finally:
+        try:
+            PIPELINE.drain(wait=True)
+        finally:
+            PIPELINE.sinks.remove(cap)
+
+
+class FakeStream:
+    """Stands in for ``torch.cuda.Stream``."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self._fake = fake
+
+    def synchronize(self) -> None:
+        self._fake.sync_calls.append("Stream.synchronize")
+        self._fake.gpu_ms = max(self._fake.gpu_ms, self._fake.queued_ms)
+
+    def query(self) -> bool:
+        return self._fake.gpu_ms >= self._fake.queued_ms
+
+
+class FakeEvent:
+    """Stands in for ``torch.cuda.Event``: completes when the fake GPU clock passes it."""
+
+    def __init__(self, fake: FakeCuda, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self._fake = fake
+        self.enable_timing = enable_timing
+        self.at_ms: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        fake = self._fake
+        self.at_ms = max(fake.queued_ms, fake.gpu_ms)
+        fake.records += 1
+
+    def query(self) -> bool:
+        self._fake.queries += 1
+        return self.at_ms is not None and self._fake.gpu_ms >= self.at_ms
+
+    def elapsed_time(self, end_event: Any) -> float:
+        if not self.enable_timing or not end_event.enable_timing:
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if not (self.query() and end_event.query()):
+            raise RuntimeError("CUDA error: device not ready")
+        assert self.at_ms is not None and end_event.at_ms is not None
+        return float(end_event.at_ms - self.at_ms)
+
+    def synchronize(self) -> None:
+        self._fake.sync_calls.append("Event.synchronize")
+        if self.at_ms is not None:
+            self._fake.gpu_ms = max(self._fake.gpu_ms, self.at_ms)
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class FakeCuda:
+    """A fake ``torch.cuda`` for the device interface: work is queued with :meth:`launch` and
+    finishes as the test moves the GPU clock with :meth:`advance` or :meth:`complete_all`.
+
+    ``sync_calls`` lists every synchronizing call made, so tests can assert there was none.
+    """
+
+    def __init__(self) -> None:
+        self.initialized = True
+        self.gpu_ms = 0.0
+        self.queued_ms = 0.0
+        self.sync_calls: list[str] = []
+        self.events_created = 0
+        self.records = 0
+        self.queries = 0
+
+    # the torch.cuda subset
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
+              interprocess: bool = False) -> FakeEvent:
+        self.events_created += 1
+        return FakeEvent(self, enable_timing, blocking, interprocess)
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return FakeStream(self)
+
+    def synchronize(self, device: Any = None) -> None:
+        self.sync_calls.append("synchronize")
+        self.complete_all()
+
+    def get_device_name(self, device: Any = None) -> str:
+        return "Fake GPU"
+
+    # the test's controls
+    def launch(self, ms: float) -> None:
+        """Queue ``ms`` of GPU work on the current stream."""
+        self.queued_ms = max(self.queued_ms, self.gpu_ms) + ms
+
+    def advance(self, ms: float) -> None:
+        """Let the GPU run for ``ms``."""
+        self.gpu_ms = min(self.gpu_ms + ms, max(self.queued_ms, self.gpu_ms + ms))
+
+    def complete_all(self) -> None:
+        """Let the GPU finish everything queued."""
+        self.gpu_ms = max(self.gpu_ms, self.queued_ms)
+
+
+@contextlib.contextmanager
+def use_fake_cuda(fake: FakeCuda | None = None) -> Iterator[FakeCuda]:
+    """Route perfsdk's device interface to a :class:`FakeCuda` for the block."""
+    fake = fake if fake is not None else FakeCuda()
+    previous = _device.set_backend(fake)
+    try:
+        yield fake
+    finally:
+        PIPELINE.drain(wait=True)
+        _device.set_backend(previous)
+        clocks.event_pool(previous)

@@ -1,0 +1,125 @@
+"""``timed_region``: a ``with`` / ``async with`` block or decorator over one Region."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+from typing_extensions import ParamSpec
+
+from perfsdk.config import state as _state
+from perfsdk.decorator import Profiler
+from perfsdk.region import Region, RegionSpec, validate_attributes
+
+__all__ = ["timed_region"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec(name: str, domain: str, color: str | int | None, category: str | None,
+          payload: int | None, sync: bool, function: str, filepath: str,
+          lineno: int, asynchronous: bool = False) -> RegionSpec:
+    return RegionSpec.create(
+        name, domain=domain, color=color, category=category, payload=payload, sync=sync,
+        code={"code.function": function, "code.filepath": filepath, "code.lineno": lineno},
+        asynchronous=asynchronous, where="timed_region",
+    )
+
+
+class timed_region:  # noqa: N801 - used like a function, as contextlib's helpers are
+    """Time a block: ``with timed_region("load", batch=3) as r: ...``.
+
+    The handle it yields is the :class:`~perfsdk.region.Region`: after the block, ``r.host_ms``
+    is set, ``r.device_ms`` once the GPU has finished (None without a GPU), ``r.attributes``
+    holds the attributes and ``r.result()`` waits for this one region only. Also works as
+    ``async with`` and as a decorator (``@timed_region("load")``).
+
+    Keyword arguments other than ``domain``, ``color``, ``category``, ``payload`` and ``sync``
+    become span attributes; pass ``attributes={...}`` for attributes with those names.
+
+    Example:
+        >>> import perfsdk
+        >>> with perfsdk.timed_region("load", batch=3) as r:
+        ...     total = sum(range(1000))
+        >>> r.host_ms >= 0 and r.attributes["batch"]
+        3
+    """
+
+    __slots__ = ("_active", "_args", "_attributes", "_key", "_spec")
+
+    def __init__(
+        self,
+        name: str,
+        /,
+        *,
+        domain: str = "perfsdk",
+        color: str | int | None = None,
+        category: str | None = None,
+        payload: int | None = None,
+        sync: bool = False,
+        attributes: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> None:
+        attrs = dict(attributes or {})
+        attrs.update(extra)
+        self._attributes = validate_attributes(attrs, "timed_region") if attrs else None
+        frame = sys._getframe(1)
+        code = frame.f_code
+        function = getattr(code, "co_qualname", code.co_name)
+        self._key = (name, domain, color, category, payload, sync, function, code.co_filename,
+                     frame.f_lineno)
+        try:
+            self._spec = _spec(*self._key)
+        except TypeError:  # an unhashable argument: let the spec name it
+            RegionSpec.create(name, domain=domain, color=color, category=category,
+                              payload=payload, sync=sync, where="timed_region")
+            raise
+        self._args = (name, domain, color, category, payload, sync)
+        self._active: list[Region] = []
+
+    def __enter__(self) -> Region:
+        return self._enter(self._spec)
+
+    def _enter(self, spec: RegionSpec) -> Region:
+        region = Region(spec, dict(self._attributes) if self._attributes else None)
+        if _state.enabled:
+            region.enter()
+        self._active.append(region)
+        return region
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        region = self._active.pop()
+        if region.t0:
+            region.exit(exc)
+
+    async def __aenter__(self) -> Region:
+        # NVTX start/end ranges: push/pop would interleave with other tasks across awaits.
+        return self._enter(_spec(*self._key, asynchronous=True))
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        name, domain, color, category, payload, sync = self._args
+        return Profiler(name, domain=domain, color=color, category=category, payload=payload,
+                        attributes=self._attributes, sync=sync)(fn)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        name, domain, color, category, payload, sync = self._args
+        return (_rebuild, (name, domain, color, category, payload, sync, self._attributes))
+
+    def __repr__(self) -> str:
+        return f"timed_region({self._args[0]!r})"
+
+
+def _rebuild(name: str, domain: str, color: Any, category: Any, payload: Any, sync: bool,
+             attributes: Mapping[str, Any] | None) -> timed_region:
+    return timed_region(name, domain=domain, color=color, category=category, payload=payload,
+                        sync=sync, attributes=attributes)
