@@ -34,7 +34,7 @@ class CudaBackend(Protocol):
     """What perfsdk needs from ``torch.cuda`` (names and signatures match it)."""
 
     def is_initialized(self) -> bool: ...
-    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
+    def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> Event: ...
     def current_stream(self, device: Any = None) -> Stream: ...
     def synchronize(self, device: Any = None) -> None: ...
@@ -47,7 +47,7 @@ class TorchCuda:
     def is_initialized(self) -> bool:
         return torch.cuda.is_initialized()
 
-    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
+    def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> Event:
         return torch.cuda.Event(
             enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
@@ -90,3 +90,19 @@ def active() -> CudaBackend | None:
     """The backend when the application has initialized CUDA, else None. Never initializes it."""
     backend = _backend
     return backend if backend.is_initialized() else None
+
+
+def initialized() -> bool:
+    """Whether the application has initialized CUDA (one call on the hot path)."""
+    return _is_initialized()
+
+
+def _bind() -> None:
+    global _is_initialized
+    # For the real backend, torch's own function: no extra Python frame per region.
+    _is_initialized = (torch.cuda.is_initialized if isinstance(_backend, TorchCuda)
+                       else _backend.is_initialized)
+
+
+_is_initialized: Any = torch.cuda.is_initialized
+on_change(_bind)

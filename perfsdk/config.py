@@ -70,6 +70,7 @@ at most for exporters, a float > 0. Default ``5``. An unreachable collector neve
 EXPORTERS: Final = ("otlp", "console", "file", "none")
 """The accepted values of :data:`PERFSDK_EXPORTER` and of ``configure(exporter=...)``."""
 
+_OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -91,9 +92,7 @@ class Config:
         """Read the ``PERFSDK_*`` variables; each bad value warns once and uses the default."""
         env = os.environ if environ is None else environ
         default = cls()
-        otlp_env = any(
-            env.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        )
+        otlp_env = any(env.get(k) for k in _OTLP_ENDPOINT_VARS)
         return cls(
             enabled=_env(env, PERFSDK_ENABLED, _parse_bool, default.enabled),
             exporters=_env(env, PERFSDK_EXPORTER, _parse_exporters, ("otlp",) if otlp_env else ()),
@@ -219,7 +218,7 @@ def configure(
 
     Args:
         enabled: turn instrumentation on or off at run time.
-        exporter: one of ``otlp``, ``console``, ``file``, ``none``, or a list / comma string of them.
+        exporter: ``otlp``, ``console``, ``file`` or ``none``, or a list / comma string of them.
         output_dir: where the ``file`` exporter writes ``spans-<pid>.jsonl``.
         sample_every: record every N-th call of each region (N >= 1).
         nvtx: emit NVTX ranges.

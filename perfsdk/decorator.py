@@ -56,10 +56,11 @@ class Profiler:
             )
         validate_attributes(self.attributes, "profiled")
         # Validate the rest now, at decoration time, with the same rules the spec uses.
-        RegionSpec.create(
-            self.name or "x", domain=self.domain, color=self.color, category=self.category,
-            payload=self.payload, sync=self.sync, where="profiled",
-        ) if self.color is not None or self.category or self.payload is not None else None
+        if self.color is not None or self.category is not None or self.payload is not None:
+            RegionSpec.create(
+                self.name or "x", domain=self.domain, color=self.color, category=self.category,
+                payload=self.payload, sync=self.sync, where="profiled",
+            )
         if not isinstance(self.domain, str) or not self.domain:
             raise ValueError(
                 f"profiled: domain={self.domain!r}; accepted values are non-empty strings"
@@ -127,9 +128,11 @@ def profiled(fn_or_name: Any = None, /, **options: Any) -> Any:
         return _wrap(fn_or_name, Profiler())
     if fn_or_name is not None and not isinstance(fn_or_name, str):
         raise ValueError(
-            f"profiled: the first argument must be a function or a region name (str), got "
-            f"{type(fn_or_name).__name__} {fn_or_name!r}"
+            f"profiled: name={fn_or_name!r}; accepted values are a non-empty string, None, or "
+            "the function to decorate"
         )
+    if fn_or_name is None and "name" in options:  # @profiled(name="fwd")
+        fn_or_name = options.pop("name")
     return Profiler(fn_or_name, **options)
 
 
@@ -149,14 +152,14 @@ def _code_attributes(fn: Any) -> dict[str, Any]:
 
 
 def _wrap(fn: Any, opts: Profiler) -> Any:
+    if not callable(fn) and not isinstance(fn, (classmethod, staticmethod)):
+        raise TypeError(f"profiled: expected a callable, got {type(fn).__name__} {fn!r}")
+    if not _state.enabled:
+        return fn  # disabled at decoration: nothing added (a later configure() won't reach it)
     if isinstance(fn, classmethod):
         return classmethod(_wrap(fn.__func__, opts))
     if isinstance(fn, staticmethod):
         return staticmethod(_wrap(fn.__func__, opts))
-    if not callable(fn):
-        raise TypeError(f"profiled: expected a callable, got {type(fn).__name__} {fn!r}")
-    if not _state.enabled:
-        return fn  # disabled at decoration: nothing added (a later configure() won't reach it)
     name = (opts.name or getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
             or type(fn).__qualname__)
     if inspect.isasyncgenfunction(fn):

@@ -63,7 +63,7 @@ def warn_once(key: str, message: str, category: type[Warning] = PerfSDKWarning) 
     logger.warning(message)
     try:
         warnings.warn(message, category, stacklevel=3)
-    except Exception:  # noqa: BLE001 - a warning filter set to "error"; never raise from here
+    except Exception:
         pass
 
 

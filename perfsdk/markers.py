@@ -18,7 +18,7 @@ from perfsdk.errors import warn_once
 
 try:  # optional at run time: perfsdk works without it, minus NVTX ranges
     import nvtx as _nvtx
-except Exception:  # noqa: BLE001 - a broken install must not break import perfsdk
+except Exception:
     _nvtx = None
 
 __all__ = ["COLORS", "NvtxMarker", "color_for", "parse_color", "profiler_active"]
@@ -77,7 +77,7 @@ def parse_color(color: str | int | None, name: str) -> int:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _domain(name: str) -> Any:
     assert _nvtx is not None
     return _nvtx.get_domain(name)
@@ -106,7 +106,7 @@ class NvtxMarker:
                 payload=payload,
             )
             self.domain = dom
-        except Exception as exc:  # noqa: BLE001 - NVTX trouble must not break the program
+        except Exception as exc:
             warn_once("nvtx-error", f"perfsdk: NVTX unavailable ({exc!r}); no NVTX ranges.")
 
 

@@ -17,14 +17,19 @@ from typing import Any, Protocol
 
 from perfsdk import _device, clocks
 from perfsdk.errors import warn_once
+from perfsdk.record import END, REGION, START
 
 __all__ = ["PIPELINE", "Pipeline", "Sink"]
 
+CHUNK = 512
+"""Records per hand-off to the sinks: spans built for one chunk die before the next is built,
+so they never live long enough to be promoted to the old GC generation."""
+
 
 class Sink(Protocol):
-    """Where resolved regions go."""
+    """Where resolved records (see :mod:`perfsdk.record`) go."""
 
-    def consume(self, regions: list[Any]) -> None: ...
+    def consume(self, records: list[Any]) -> None: ...
     def flush(self, timeout: float) -> None: ...
     def shutdown(self, timeout: float) -> None: ...
 
@@ -47,8 +52,8 @@ class Pipeline:
         self._stopping = False
 
     # -- the hot path ----------------------------------------------------------------------
-    def submit(self, region: Any) -> None:
-        self._queue.append(region)
+    def submit(self, record: Any) -> None:
+        self._queue.append(record)
         if self._thread is None:
             self._start()
 
@@ -77,50 +82,64 @@ class Pipeline:
         return len(self._queue) + len(self._waiting)
 
     def drain(self, wait: bool) -> int:
-        """Hand every resolvable region to the sinks; with ``wait``, wait for the GPU first."""
+        """Hand every resolvable record to the sinks; with ``wait``, wait for the GPU first."""
         with self._drain_lock:
             batch, self._waiting = self._waiting, []
             queue = self._queue
             while queue:
                 batch.append(queue.popleft())
             ready: list[Any] = []
-            for region in batch:
-                (ready if self.resolve(region, wait) else self._waiting).append(region)
-            if ready:
-                for sink in list(self.sinks):
-                    try:
-                        sink.consume(ready)
-                    except Exception as exc:  # noqa: BLE001 - never break the program
-                        warn_once(f"sink:{type(sink).__name__}",
-                                  f"perfsdk: {type(sink).__name__} failed ({exc!r}); "
-                                  "continuing without it for these regions.")
+            for rec in batch:
+                if rec[END] is None:
+                    ready.append(rec)
+                else:
+                    resolved = self.resolve(rec, wait)
+                    if resolved is None:
+                        self._waiting.append(rec)
+                    else:
+                        ready.append(resolved)
+            del batch
+            for i in range(0, len(ready), CHUNK):
+                self._deliver(ready[i:i + CHUNK])
             return len(ready)
 
-    def resolve(self, region: Any, wait: bool) -> bool:
-        """Fill in ``region.device_ms`` if its end event is done (or, with ``wait``, once it is).
+    def _deliver(self, records: list[Any]) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.consume(records)
+            except Exception as exc:
+                warn_once(f"sink:{type(sink).__name__}",
+                          f"perfsdk: {type(sink).__name__} failed ({exc!r}); "
+                          "continuing without it for these regions.")
 
-        Waiting uses the region's own end event only, never a device-wide sync.
-        """
+    def resolve(self, rec: Any, wait: bool) -> Any:
+        """The record with its device time once its end event is done (or, with ``wait``, after
+        waiting for that event only, never a device-wide sync); None while the GPU is busy."""
+        region = rec[REGION]
+        if not self.resolve_region(region, wait):
+            return None
+        pool = clocks.event_pool(_device.get_backend())
+        pool.put(rec[START])
+        pool.put(rec[END])
+        return (*rec[:START], None, None, None, region.device_ms)
+
+    def resolve_region(self, region: Any, wait: bool) -> bool:
+        """Fill in ``region.device_ms`` if its end event is done; False while it is not."""
         if region.resolved:
             return True
         with self._resolve_lock:
             if region.resolved:
                 return True
             start, end = region.start_event, region.end_event
-            if start is not None and end is not None:
-                try:
-                    if not end.query():
-                        if not wait:
-                            return False
-                        end.synchronize()
-                    region.device_ms = start.elapsed_time(end)
-                except Exception as exc:  # noqa: BLE001 - a CUDA error must not break the program
-                    warn_once("device-timing", f"perfsdk: could not read CUDA event timing "
-                              f"({exc!r}); device_ms is left empty.")
-                pool = clocks.event_pool(_device.get_backend())
-                pool.put(start)
-                pool.put(end)
-                region.start_event = region.end_event = None
+            try:
+                if not end.query():
+                    if not wait:
+                        return False
+                    end.synchronize()
+                region.device_ms = start.elapsed_time(end)
+            except Exception as exc:
+                warn_once("device-timing", f"perfsdk: could not read CUDA event timing "
+                          f"({exc!r}); device_ms is left empty.")
             region.resolved = True
             return True
 
@@ -129,7 +148,7 @@ class Pipeline:
         for sink in list(self.sinks):
             try:
                 sink.flush(timeout)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 warn_once(f"flush:{type(sink).__name__}",
                           f"perfsdk: flushing {type(sink).__name__} failed ({exc!r}).")
 
@@ -144,7 +163,7 @@ class Pipeline:
         for sink in list(self.sinks):
             try:
                 sink.shutdown(timeout)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 warn_once(f"shutdown:{type(sink).__name__}",
                           f"perfsdk: shutting down {type(sink).__name__} failed ({exc!r}).")
         self._stopping = False

@@ -17,22 +17,28 @@ from collections.abc import Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any
 
+import torch
+
 from perfsdk import _device, clocks, markers
 from perfsdk import context as _ctx
+from perfsdk import record as _record
 from perfsdk.config import state as _state
 from perfsdk.pipeline import PIPELINE
+from perfsdk.record import RegionResult
 
 __all__ = ["Region", "RegionResult", "RegionSpec", "validate_attributes"]
 
 _perf_ns = time.perf_counter_ns
 _getrandbits = random.getrandbits
-_profiler_active = markers.profiler_active
+_profiler_enabled = torch._C._autograd._profiler_enabled
+_get_ident = threading.get_ident
+_parent_ids = _ctx.parent_ids
 _record_function = markers.record_function_fast
 _current_span = _ctx.current_span
 _attach = _ctx.attach
 _detach = _ctx.detach
-_active_device = _device.active
 _event_pool = clocks.event_pool
+_submit = PIPELINE.submit
 
 AttributeValue = str | bool | int | float | tuple[Any, ...] | list[Any]
 
@@ -70,6 +76,10 @@ class RegionSpec:
     sync: bool
     asynchronous: bool
     nvtx: markers.NvtxMarker = dataclasses.field(compare=False, repr=False)
+    index: int = dataclasses.field(default=-1, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", _record.register(self))
 
     @classmethod
     def create(
@@ -129,23 +139,6 @@ def _parse_color(color: str | int | None, name: str, where: str) -> int:
         raise ValueError(f"{where}: {exc}") from None
 
 
-@dataclasses.dataclass(frozen=True)
-class RegionResult:
-    """A resolved region: what :meth:`Region.result` returns and ``perfsdk.testing`` captures."""
-
-    name: str
-    host_ms: float
-    device_ms: float | None
-    attributes: Mapping[str, Any]
-    error: BaseException | None
-    start_ns: int
-    end_ns: int
-    trace_id: int
-    span_id: int
-    parent_span_id: int
-    thread_id: int
-
-
 class Region(_ctx.SpanBase):  # type: ignore[misc]
     """One entry into a region; also the OpenTelemetry current span while its body runs.
 
@@ -156,21 +149,17 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
 
     __slots__ = (
         "_attributes", "_range_id", "_rf", "_token", "device_ms", "end_event", "error",
-        "events", "parent_id", "pipeline", "resolved", "span_id", "spec", "start_event", "t0",
-        "t1", "thread_id", "trace_id",
+        "events", "parent_id", "resolved", "span_id", "spec", "start_event", "t0", "t1",
+        "thread_id", "trace_id",
     )
 
     def __init__(self, spec: RegionSpec, attributes: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self._attributes = attributes
         self.events: list[tuple[str, dict[str, Any], int]] | None = None
-        self.error: BaseException | None = None
         self.start_event: _device.Event | None = None
-        self.end_event: _device.Event | None = None
-        self.device_ms: float | None = None
         self.t0 = 0
         self.t1 = 0
-        self.resolved = False
         self._rf: Any = None
 
     # -- live half: on the calling thread -------------------------------------------------
@@ -183,7 +172,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                     self._range_id = dom.start_range(spec.nvtx.attributes)
                 else:
                     dom.push_range(spec.nvtx.attributes)
-        if _profiler_active():
+        if _profiler_enabled():
             rf = _record_function(spec.name)
             rf.__enter__()
             self._rf = rf
@@ -192,15 +181,13 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             self.trace_id = parent.trace_id
             self.parent_id = parent.span_id
         else:
-            self.trace_id, self.parent_id = _ctx.parent_ids(parent) if parent is not None else (0, 0)
-            if not self.trace_id:
-                self.trace_id = _getrandbits(128) or 1
+            trace_id, self.parent_id = _parent_ids(parent)
+            self.trace_id = trace_id or _getrandbits(128) or 1
         self.span_id = _getrandbits(64) or 1
-        self.thread_id = threading.get_ident()
+        self.thread_id = _get_ident()
         self._token = _attach(self)
-        device = _active_device()
-        if device is not None:
-            event = _event_pool(device).get()
+        if _device._is_initialized():
+            event = _event_pool(_device.get_backend()).get()
             event.record()
             self.start_event = event
         self.t0 = _perf_ns()
@@ -209,16 +196,19 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     def exit(self, error: BaseException | None = None) -> None:
         t1 = _perf_ns()
         start = self.start_event
+        end = None
         if start is not None:
-            pool = _event_pool(_device.get_backend())
-            end = pool.get()
+            end = _event_pool(_device.get_backend()).get()
             end.record()
-            self.end_event = end
+        self.end_event = end
+        self.resolved = end is None
+        self.device_ms = None
         self.t1 = t1
         self.error = error
         try:
             _detach(self._token)
         finally:
+            self._token = None  # fewer live objects for the garbage collector to walk
             rf = self._rf
             if rf is not None:
                 self._rf = None
@@ -231,9 +221,12 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                         dom.end_range(self._range_id)
                     else:
                         dom.pop_range()
-            if spec.sync and start is not None:
-                PIPELINE.resolve(self, wait=True)
-            PIPELINE.submit(self)
+            if end is not None and spec.sync:
+                PIPELINE.resolve_region(self, wait=True)
+            # A plain tuple (see perfsdk.record); the Region rides along only with GPU events.
+            _submit((spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
+                     self.thread_id, error, self._attributes, self.events, start, end,
+                     None if end is None else self, None))
 
     def __enter__(self) -> Region:
         return self.enter()
@@ -268,10 +261,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         if not self.t1:
             raise RuntimeError(f"region {self.spec.name!r} has not exited yet; call result() "
                                "after its 'with' block")
-        PIPELINE.resolve(self, wait=True)
-        return self.to_result()
-
-    def to_result(self) -> RegionResult:
+        PIPELINE.resolve_region(self, wait=True)
         return RegionResult(
             name=self.spec.name,
             host_ms=(self.t1 - self.t0) / 1e6,

@@ -23,7 +23,7 @@ from typing import Any
 from perfsdk import _device, clocks
 from perfsdk.config import get_config
 from perfsdk.pipeline import PIPELINE
-from perfsdk.region import RegionResult
+from perfsdk.record import RegionResult, to_result
 
 __all__ = ["Capture", "FakeCuda", "FakeEvent", "FakeStream", "capture", "use_fake_cuda"]
 
@@ -37,8 +37,8 @@ class Capture:
         self.spans: list[Any] = []
         self._resource: Any = None
 
-    def consume(self, regions: list[Any]) -> None:
-        results = [r.to_result() for r in regions]
+    def consume(self, records: list[Any]) -> None:
+        results = [to_result(r) for r in records]
         spans: list[Any] = []
         try:
             from perfsdk.export.otel import build_resource, region_span
@@ -47,7 +47,7 @@ class Capture:
         else:
             if self._resource is None:
                 self._resource = build_resource(get_config())
-            spans = [region_span(r, self._resource) for r in regions]
+            spans = [region_span(r, self._resource) for r in records]
         with self._lock:
             self.regions.extend(results)
             self.spans.extend(spans)
@@ -125,7 +125,8 @@ class FakeEvent:
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if not (self.query() and end_event.query()):
             raise RuntimeError("CUDA error: device not ready")
-        assert self.at_ms is not None and end_event.at_ms is not None
+        assert self.at_ms is not None
+        assert end_event.at_ms is not None
         return float(end_event.at_ms - self.at_ms)
 
     def synchronize(self) -> None:
@@ -157,7 +158,7 @@ class FakeCuda:
     def is_initialized(self) -> bool:
         return self.initialized
 
-    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
+    def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> FakeEvent:
         self.events_created += 1
         return FakeEvent(self, enable_timing, blocking, interprocess)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from typing_extensions import ParamSpec
 
 from perfsdk.config import state as _state
+from perfsdk.context import current_span as _current_span
 from perfsdk.decorator import Profiler
 from perfsdk.region import Region, RegionSpec, validate_attributes
 
@@ -31,7 +32,7 @@ def _spec(name: str, domain: str, color: str | int | None, category: str | None,
     )
 
 
-class timed_region:  # noqa: N801 - used like a function, as contextlib's helpers are
+class timed_region:
     """Time a block: ``with timed_region("load", batch=3) as r: ...``.
 
     The handle it yields is the :class:`~perfsdk.region.Region`: after the block, ``r.host_ms``
@@ -94,7 +95,15 @@ class timed_region:  # noqa: N801 - used like a function, as contextlib's helper
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        region = self._active.pop()
+        # One object may be active in several tasks or threads at once (a module-level
+        # ``LOAD = timed_region("load")`` used in concurrent tasks): exit the region that is
+        # current here, not the one entered last anywhere.
+        active = self._active
+        region = _current_span()
+        try:
+            active.remove(region)
+        except ValueError:  # disabled at entry (never made current): any inert one will do
+            region = active.pop()
         if region.t0:
             region.exit(exc)
 

@@ -23,6 +23,7 @@ import os
 import platform
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,13 +42,34 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 
 from perfsdk import _device, clocks
+from perfsdk import record as _record
 from perfsdk._version import __version__
 from perfsdk.config import Config
-from perfsdk.context import span_context
 from perfsdk.errors import MissingDependencyError, warn_once
+from perfsdk.record import (
+    DEVICE_MS,
+    ERROR,
+    EVENTS,
+    PARENT,
+    SPAN,
+    SPEC,
+    SPECS,
+    T0,
+    T1,
+    THREAD,
+    TRACE,
+    Record,
+)
 
 __all__ = ["SpanSink", "build_resource", "make_exporter", "region_attributes", "region_span"]
 
@@ -77,18 +99,19 @@ def build_resource(config: Config) -> Resource:
     if device is not None:
         try:
             attrs["perfsdk.gpu.name"] = device.get_device_name()
-        except Exception:  # noqa: BLE001 - a name is not worth failing for
+        except Exception:
             pass
     return Resource.create(attrs)
 
 
-def region_attributes(region: Any) -> dict[str, Any]:
+def region_attributes(rec: Record) -> dict[str, Any]:
     """Declared, per-call and set-while-running attributes plus the measured times."""
-    attrs = dict(region.attributes)
-    attrs["perfsdk.host_ms"] = (region.t1 - region.t0) / 1e6
-    if region.device_ms is not None:
-        attrs["perfsdk.device_ms"] = region.device_ms
-    attrs["thread.id"] = region.thread_id
+    attrs = _record.attributes(rec)
+    attrs["perfsdk.host_ms"] = (rec[T1] - rec[T0]) / 1e6
+    device_ms = rec[DEVICE_MS]
+    if device_ms is not None:
+        attrs["perfsdk.device_ms"] = device_ms
+    attrs["thread.id"] = rec[THREAD]
     return attrs
 
 
@@ -103,31 +126,42 @@ def _exception_event(error: BaseException, timestamp: int) -> Event:
     }, timestamp)
 
 
+_UNSET = Status(StatusCode.UNSET)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NO_EVENTS: tuple[Event, ...] = ()
+
+
 def _status(error: BaseException | None) -> Status:
     if error is None:
-        return Status(StatusCode.UNSET)
+        return _UNSET
     return Status(StatusCode.ERROR, f"{type(error).__qualname__}: {error}")
 
 
-def region_span(region: Any, resource: Resource) -> ReadableSpan:
+def region_span(rec: Record, resource: Resource) -> ReadableSpan:
     """The finished span of a region, with the ids it was given at enter."""
-    start = clocks.epoch_ns(region.t0)
-    end = clocks.epoch_ns(region.t1)
-    events = [Event(n, a, t) for n, a, t in region.events or ()]
-    if region.error is not None:
-        events.append(_exception_event(region.error, end))
+    trace_id = rec[TRACE]
+    error = rec[ERROR]
+    if rec[EVENTS] is None and error is None:
+        events: Sequence[Event] = _NO_EVENTS
+    else:
+        events = [Event(n, a, t) for n, a, t in rec[EVENTS] or ()]
+        if error is not None:
+            events.append(_exception_event(error, clocks.epoch_ns(rec[T1])))
+    parent_id = rec[PARENT]
     return ReadableSpan(
-        name=region.spec.name,
-        context=span_context(region.trace_id, region.span_id),
-        parent=span_context(region.trace_id, region.parent_id) if region.parent_id else None,
-        resource=resource,
-        attributes=region_attributes(region),
-        events=events,
-        kind=SpanKind.INTERNAL,
-        status=_status(region.error),
-        start_time=start,
-        end_time=end,
-        instrumentation_scope=SCOPE,
+        SPECS[rec[SPEC]].name,
+        SpanContext(trace_id, rec[SPAN], False, _SAMPLED),
+        SpanContext(trace_id, parent_id, False, _SAMPLED) if parent_id else None,
+        resource,
+        region_attributes(rec),
+        events,
+        (),
+        SpanKind.INTERNAL,
+        None,
+        _status(error),
+        clocks.epoch_ns(rec[T0]),
+        clocks.epoch_ns(rec[T1]),
+        SCOPE,
     )
 
 
@@ -151,20 +185,31 @@ for _name in _EXPORTER_LOGGERS:
 
 
 class GuardedExporter(SpanExporter):
-    """Wraps an OTel exporter: failures warn once (naming the exporter) and are counted."""
+    """Wraps an OTel exporter: a failure warns once (naming the exporter) and is counted.
 
-    def __init__(self, inner: SpanExporter, label: str) -> None:
+    After a failure the exporter rests for ``backoff`` seconds: batches in that window are
+    counted as dropped at once instead of each waiting out the exporter's own retries, so an
+    unreachable collector costs the program neither time nor memory.
+    """
+
+    def __init__(self, inner: SpanExporter, label: str, backoff: float = 30.0) -> None:
         self.inner = inner
         self.label = label
+        self.backoff = backoff
         self.exported = 0
         self.failed = 0
+        self.dropped = 0
+        self._rest_until = 0.0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._rest_until and time.monotonic() < self._rest_until:
+            self.dropped += len(spans)
+            return SpanExportResult.FAILURE
         local = _Quiet.local
         local.depth = getattr(local, "depth", 0) + 1
         try:
             result = self.inner.export(spans)
-        except Exception as exc:  # noqa: BLE001 - exporters must never raise into the app
+        except Exception as exc:
             result = SpanExportResult.FAILURE
             reason = repr(exc)
         else:
@@ -173,12 +218,14 @@ class GuardedExporter(SpanExporter):
             local.depth -= 1
         if result is SpanExportResult.SUCCESS:
             self.exported += len(spans)
+            self._rest_until = 0.0
         else:
             self.failed += len(spans)
+            self._rest_until = time.monotonic() + self.backoff
             warn_once(f"export:{self.label}",
                       f"perfsdk: the {self.label} exporter could not deliver spans ({reason}); "
-                      "the program continues, later failures are only counted "
-                      "(perfsdk.diagnostics()).")
+                      f"the program continues; spans are dropped for {self.backoff:g} s after "
+                      "each failure and counted in perfsdk.diagnostics().")
         return result
 
     def shutdown(self) -> None:
@@ -343,13 +390,13 @@ class SpanSink:
         for name in self.config.exporters:
             try:
                 exporter = make_exporter(name, self.config)
-            except Exception as exc:  # noqa: BLE001 - e.g. the otlp extra is missing
+            except Exception as exc:
                 warn_once(f"exporter:{name}", f"perfsdk: cannot use the {name} exporter: {exc}")
                 continue
             self.exporters.append(exporter)  # type: ignore[arg-type]
+            # For the application's own spans on perfsdk's provider; region spans skip it.
             self._fanout.processors.append(
-                BatchSpanProcessor(exporter, max_queue_size=65536, max_export_batch_size=2048,
-                                   schedule_delay_millis=1000))
+                BatchSpanProcessor(exporter, schedule_delay_millis=1000))
 
     @property
     def mode(self) -> str:
@@ -360,38 +407,38 @@ class SpanSink:
             return self._mode
 
     # -- the sink --------------------------------------------------------------------------
-    def consume(self, regions: list[Any]) -> None:
+    def consume(self, records: list[Record]) -> None:
         mode = self.mode
         if mode == "owned":
+            # The pipeline thread already batches: export directly, no second queue.
             resource = self.resource
-            processors = self._fanout.processors
-            for region in regions:
-                span = region_span(region, resource)
-                for processor in processors:
-                    processor.on_end(span)
+            spans = [region_span(rec, resource) for rec in records]
+            for exporter in self.exporters:
+                exporter.export(spans)
         elif mode == "user":
-            for region in regions:
-                self._through_tracer(region)
+            for rec in records:
+                self._through_tracer(rec)
 
-    def _through_tracer(self, region: Any) -> None:
+    def _through_tracer(self, rec: Record) -> None:
         tracer = self._tracer
         ids = getattr(tracer, "id_generator", None)
+        trace_id, parent_id = rec[TRACE], rec[PARENT]
         if isinstance(ids, _PresetIds):
-            ids.span_id, ids.trace_id = region.span_id, region.trace_id
+            ids.span_id, ids.trace_id = rec[SPAN], trace_id
         parent = Context()
-        if region.parent_id:
+        if parent_id:
             parent = trace.set_span_in_context(
-                NonRecordingSpan(span_context(region.trace_id, region.parent_id)))
-        span = tracer.start_span(region.spec.name, context=parent, kind=SpanKind.INTERNAL,
-                                 attributes=region_attributes(region),
-                                 start_time=clocks.epoch_ns(region.t0))
-        for name, attrs, when in region.events or ():
+                NonRecordingSpan(SpanContext(trace_id, parent_id, False, _SAMPLED)))
+        span = tracer.start_span(SPECS[rec[SPEC]].name, context=parent, kind=SpanKind.INTERNAL,
+                                 attributes=region_attributes(rec),
+                                 start_time=clocks.epoch_ns(rec[T0]))
+        for name, attrs, when in rec[EVENTS] or ():
             span.add_event(name, attrs, when)
-        if region.error is not None:
-            span.record_exception(region.error, escaped=True,
-                                  timestamp=clocks.epoch_ns(region.t1))
-            span.set_status(_status(region.error))
-        span.end(end_time=clocks.epoch_ns(region.t1))
+        error = rec[ERROR]
+        if error is not None:
+            span.record_exception(error, escaped=True, timestamp=clocks.epoch_ns(rec[T1]))
+            span.set_status(_status(error))
+        span.end(end_time=clocks.epoch_ns(rec[T1]))
 
     def flush(self, timeout: float) -> None:
         if self._mode == "owned":
@@ -414,6 +461,7 @@ class SpanSink:
         return {
             "spans_exported": sum(e.exported for e in self.exporters),
             "spans_failed": sum(e.failed for e in self.exporters),
+            "spans_dropped": sum(e.dropped for e in self.exporters),
         }
 
 
@@ -424,7 +472,7 @@ def _bounded(fn: Any, timeout: float, what: str) -> bool:
     def run() -> None:
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             warn_once(f"{what}-error", f"perfsdk: span {what} failed: {exc!r}")
         finally:
             done.set()

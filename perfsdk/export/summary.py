@@ -13,6 +13,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from perfsdk.record import DEVICE_MS, ERROR, SPEC, SPECS, T0, T1
+
 __all__ = ["RegionStats", "Summary", "SummarySink"]
 
 RESERVOIR = 10_000
@@ -149,18 +151,20 @@ class SummarySink:
         self._lock = threading.Lock()
         self._acc: dict[str, _Acc] = {}
 
-    def consume(self, regions: list[Any]) -> None:
+    def consume(self, records: list[Any]) -> None:
+        specs = SPECS
         with self._lock:
             acc_by_name = self._acc
-            for region in regions:
-                name = region.spec.name
+            for rec in records:
+                name = specs[rec[SPEC]].name
                 acc = acc_by_name.get(name)
                 if acc is None:
                     acc = acc_by_name[name] = _Acc()
-                acc.host.add((region.t1 - region.t0) / 1e6)
-                if region.device_ms is not None:
-                    acc.device.add(region.device_ms)
-                if region.error is not None:
+                acc.host.add((rec[T1] - rec[T0]) / 1e6)
+                device_ms = rec[DEVICE_MS]
+                if device_ms is not None:
+                    acc.device.add(device_ms)
+                if rec[ERROR] is not None:
                     acc.errors += 1
 
     def flush(self, timeout: float) -> None:
