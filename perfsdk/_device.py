@@ -45,11 +45,11 @@ class TorchCuda:
     """The real backend: ``torch.cuda`` itself, never initialized by perfsdk."""
 
     def is_initialized(self) -> bool:
-        return torch.cuda.is_initialized()
+        return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
     def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> Event:
-        return torch.cuda.Event(
+        return torch.cuda.Event(  # type: ignore[no-untyped-call]
             enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
         )
 
@@ -94,7 +94,7 @@ def active() -> CudaBackend | None:
 
 def initialized() -> bool:
     """Whether the application has initialized CUDA (one call on the hot path)."""
-    return _is_initialized()
+    return bool(_is_initialized())
 
 
 def _bind() -> None:

@@ -23,15 +23,19 @@ try:
 except ImportError:  # optional: pip install opentelemetry-api
     HAVE_OTEL = False
 
+SpanBase: Any
+current_span: Any
+detach: Any
+
 if HAVE_OTEL:
-    SpanBase: Any = _otel_trace.Span
+    SpanBase = _otel_trace.Span
     current_span = _otel_trace.get_current_span
     _set_span_in_context = _otel_trace.set_span_in_context
     _attach = _otel_context.attach
     detach = _otel_context.detach
     _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
-    def attach(span: Any) -> object:
+    def attach(span: Any) -> Any:
         return _attach(_set_span_in_context(span))
 
     def span_context(trace_id: int, span_id: int) -> Any:
@@ -48,17 +52,18 @@ else:
     SpanBase = object
     _current: contextvars.ContextVar[Any] = contextvars.ContextVar("perfsdk_region", default=None)
 
-    def current_span() -> Any:
-        return _current.get()
+    current_span = _current.get
 
-    def attach(span: Any) -> object:
+    def attach(span: Any) -> Any:
         return _current.set(span)
 
-    def detach(token: Any) -> None:
+    def _detach(token: Any) -> None:
         try:
             _current.reset(token)
         except ValueError:  # token from another context: leave it
             pass
+
+    detach = _detach
 
     def span_context(trace_id: int, span_id: int) -> Any:
         return None

@@ -10,6 +10,8 @@ waits for what is still on the GPU (the user asked to flush); so does interprete
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import multiprocessing.util
 import os
 import threading
 from collections import deque
@@ -65,6 +67,10 @@ class Pipeline:
             thread = threading.Thread(target=self._run, name="perfsdk-pipeline", daemon=True)
             self._thread = thread
         thread.start()
+        if multiprocessing.parent_process() is not None:
+            # A multiprocessing child (e.g. a DataLoader worker) ends with os._exit(), which
+            # skips atexit; multiprocessing's own finalizers still run, so flush there.
+            multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -81,9 +87,17 @@ class Pipeline:
         """Regions not yet handed to the sinks (queued or waiting for the GPU)."""
         return len(self._queue) + len(self._waiting)
 
-    def drain(self, wait: bool) -> int:
-        """Hand every resolvable record to the sinks; with ``wait``, wait for the GPU first."""
-        with self._drain_lock:
+    def drain(self, wait: bool, timeout: float = -1) -> int:
+        """Hand every resolvable record to the sinks; with ``wait``, wait for the GPU first.
+
+        With a ``timeout`` (seconds), give up if another drain (a slow exporter) holds the
+        pipeline that long.
+        """
+        if not self._drain_lock.acquire(timeout=timeout):
+            warn_once("drain-timeout", f"perfsdk: an exporter kept the pipeline busy for more "
+                      f"than {timeout:g} s; {self.pending} regions were not exported.")
+            return 0
+        try:
             batch, self._waiting = self._waiting, []
             queue = self._queue
             while queue:
@@ -102,6 +116,8 @@ class Pipeline:
             for i in range(0, len(ready), CHUNK):
                 self._deliver(ready[i:i + CHUNK])
             return len(ready)
+        finally:
+            self._drain_lock.release()
 
     def _deliver(self, records: list[Any]) -> None:
         for sink in list(self.sinks):
@@ -144,7 +160,7 @@ class Pipeline:
             return True
 
     def flush(self, timeout: float) -> None:
-        self.drain(wait=True)
+        self.drain(wait=True, timeout=timeout)
         for sink in list(self.sinks):
             try:
                 sink.flush(timeout)
@@ -159,7 +175,7 @@ class Pipeline:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         self._thread = None
-        self.drain(wait=True)
+        self.drain(wait=True, timeout=timeout)
         for sink in list(self.sinks):
             try:
                 sink.shutdown(timeout)

@@ -152,6 +152,10 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         "events", "parent_id", "resolved", "span_id", "spec", "start_event", "t0", "t1",
         "thread_id", "trace_id",
     )
+    trace_id: int
+    span_id: int
+    parent_id: int
+    thread_id: int
 
     def __init__(self, spec: RegionSpec, attributes: dict[str, Any] | None = None) -> None:
         self.spec = spec

@@ -106,7 +106,7 @@ class FakeEvent:
     """Stands in for ``torch.cuda.Event``: completes when the fake GPU clock passes it."""
 
     def __init__(self, fake: FakeCuda, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False) -> None:
+                 interprocess: bool = False, external: bool = False) -> None:
         self._fake = fake
         self.enable_timing = enable_timing
         self.at_ms: float | None = None
@@ -159,9 +159,9 @@ class FakeCuda:
         return self.initialized
 
     def Event(self, enable_timing: bool = False, blocking: bool = False,
-              interprocess: bool = False) -> FakeEvent:
+              interprocess: bool = False, external: bool = False) -> FakeEvent:
         self.events_created += 1
-        return FakeEvent(self, enable_timing, blocking, interprocess)
+        return FakeEvent(self, enable_timing, blocking, interprocess, external)
 
     def current_stream(self, device: Any = None) -> FakeStream:
         return FakeStream(self)

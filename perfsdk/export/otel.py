@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from opentelemetry import trace
@@ -235,7 +235,7 @@ class GuardedExporter(SpanExporter):
         return bool(self.inner.force_flush(timeout_millis))
 
 
-def _otlp_exporter() -> SpanExporter:
+def _otlp_exporter(export_timeout: float = 5.0) -> SpanExporter:
     protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
     try:
@@ -252,14 +252,20 @@ def _otlp_exporter() -> SpanExporter:
     except ImportError:
         raise MissingDependencyError(
             "opentelemetry-exporter-otlp", "otlp", "The otlp exporter") from None
-    exporter: SpanExporter = OTLPSpanExporter()
+    timeout = None
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+            or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
+        # OTel's default is 10 s of retries per batch; without the user's own choice, keep
+        # one batch within perfsdk's export bound so exit is never held longer than that.
+        timeout = export_timeout
+    exporter: SpanExporter = OTLPSpanExporter(timeout=timeout)
     return exporter
 
 
 def make_exporter(name: str, config: Config) -> SpanExporter:
     """The OpenTelemetry exporter for one ``PERFSDK_EXPORTER`` name, wrapped in a guard."""
     if name == "otlp":
-        return GuardedExporter(_otlp_exporter(), "otlp")
+        return GuardedExporter(_otlp_exporter(config.export_timeout_s), "otlp")
     if name == "console":
         return GuardedExporter(ConsoleSpanExporter(), "console")
     if name == "file":
@@ -268,22 +274,25 @@ def make_exporter(name: str, config: Config) -> SpanExporter:
 
 
 class _JsonLinesFile(ConsoleSpanExporter):
-    """OTel's console exporter writing one JSON span per line to a file, opened on first use."""
+    """OTel's console exporter and span JSON, one span per line, to a file opened on first use."""
 
     def __init__(self, output_dir: Path) -> None:
+        super().__init__(formatter=lambda span: span.to_json(indent=None) + "\n")
         self.path = output_dir / f"spans-{os.getpid()}.jsonl"
-        super().__init__(out=None, formatter=lambda span: span.to_json(indent=None) + "\n")  # type: ignore[arg-type]
+        self._file: IO[str] | None = None
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self.out is None:
+        if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.out = self.path.open("a", encoding="utf-8")
-        return super().export(spans)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write("".join(self.formatter(span) for span in spans))
+        self._file.flush()
+        return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        if self.out is not None:
-            self.out.close()
-            self.out = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class _Fanout(SpanProcessor):
@@ -457,6 +466,15 @@ class SpanSink:
             self._mode = None
         _shutdown_bounded(processors, timeout)
 
+    def after_fork(self) -> None:
+        """In a forked child: new exporters (own file, own connections) and resource (own pid),
+        made on first use; the parent's are left alone."""
+        self._lock = threading.Lock()
+        self._resource = None
+        self._mode = None
+        self._fanout.processors = []
+        self.exporters = []
+
     def stats(self) -> dict[str, int]:
         return {
             "spans_exported": sum(e.exported for e in self.exporters),
@@ -487,4 +505,8 @@ def _bounded(fn: Any, timeout: float, what: str) -> bool:
 
 def _shutdown_bounded(processors: list[SpanProcessor], timeout: float) -> None:
     if processors:
-        _bounded(lambda: [p.shutdown() for p in processors], timeout, "shutdown")
+        def shut() -> None:
+            for processor in processors:
+                processor.shutdown()
+
+        _bounded(shut, timeout, "shutdown")
