@@ -5,8 +5,6 @@ OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
 (:class:`timed_region`).
 """
 
-import logging
-
 from perfsdk._version import __version__
 from perfsdk.config import Config, configure, get_config
 from perfsdk.decorator import profiled
@@ -15,8 +13,6 @@ from perfsdk.export.summary import RegionStats, Summary
 from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
 from perfsdk.region import Region, RegionResult
 from perfsdk.timing import timed_region
-
-logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = (
     "Config",

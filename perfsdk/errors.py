@@ -19,6 +19,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("perfsdk")
+logger.addHandler(logging.NullHandler())  # here, before config reads the environment
 
 
 class PerfSDKError(Exception):

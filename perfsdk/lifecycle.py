@@ -37,6 +37,8 @@ def _on_change(old: Config, new: Config) -> None:
         SPANS.configure(new, timeout=old.export_timeout_s)
         if new.exporters:
             SPANS.validate()
+        if PIPELINE.started:
+            SPANS.prepare()
 
 
 _config.on_change(_on_change)

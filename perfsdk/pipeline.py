@@ -40,6 +40,7 @@ class Pipeline:
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
         self.sinks: list[Sink] = []
+        self.started = False
         self._init_state()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -52,25 +53,35 @@ class Pipeline:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.started = False
 
     # -- the hot path ----------------------------------------------------------------------
     def submit(self, record: Any) -> None:
         self._queue.append(record)
-        if self._thread is None:
-            self._start()
 
     # -- background ------------------------------------------------------------------------
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the background thread; run once per process, at the first region's enter,
+        on the caller's thread (so sinks set up exporters before any user span is opened)."""
         with self._drain_lock:
             if self._thread is not None or self._stopping:
                 return
             thread = threading.Thread(target=self._run, name="perfsdk-pipeline", daemon=True)
             self._thread = thread
+            self.started = True
         thread.start()
         if multiprocessing.parent_process() is not None:
             # A multiprocessing child (e.g. a DataLoader worker) ends with os._exit(), which
             # skips atexit; multiprocessing's own finalizers still run, so flush there.
             multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
+        for sink in list(self.sinks):
+            prepare = getattr(sink, "prepare", None)
+            if prepare is not None:
+                try:
+                    prepare()
+                except Exception as exc:
+                    warn_once(f"prepare:{type(sink).__name__}",
+                              f"perfsdk: setting up {type(sink).__name__} failed ({exc!r}).")
 
     def _run(self) -> None:
         while not self._stopping:
@@ -176,6 +187,7 @@ class Pipeline:
             thread.join(timeout)
         self._thread = None
         self.drain(wait=True, timeout=timeout)
+        self.started = False
         for sink in list(self.sinks):
             try:
                 sink.shutdown(timeout)

@@ -168,6 +168,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
 
     # -- live half: on the calling thread -------------------------------------------------
     def enter(self) -> Region:
+        if not PIPELINE.started:
+            PIPELINE.start()
         spec = self.spec
         if _state.nvtx:
             dom = spec.nvtx.domain

@@ -466,6 +466,12 @@ class SpanSink:
             self._mode = None
         _shutdown_bounded(processors, timeout)
 
+    def prepare(self) -> None:
+        """Decide where spans go, on the caller's thread at the first region: an owned provider
+        must be in place before the user opens spans inside that region, and exporters must
+        not first be built during interpreter exit."""
+        _ = self.mode
+
     def after_fork(self) -> None:
         """In a forked child: new exporters (own file, own connections) and resource (own pid),
         made on first use; the parent's are left alone."""
