@@ -33,7 +33,7 @@ _getrandbits = random.getrandbits
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _get_ident = threading.get_ident
 _parent_ids = _ctx.parent_ids
-_record_function = markers.record_function_fast
+_record_function = markers.record_function
 _current_span = _ctx.current_span
 _attach = _ctx.attach
 _detach = _ctx.detach
@@ -105,10 +105,10 @@ class RegionSpec:
                 f"{where}: category={category!r}; accepted values are None or a non-empty string"
             )
         if payload is not None and (isinstance(payload, bool) or not isinstance(payload, int)
-                                    or not -(2**63) <= payload < 2**64):
+                                    or not -(2**63) <= payload < 2**63):
             raise ValueError(
-                f"{where}: payload={payload!r}; accepted values are None or an integer that "
-                "fits in 64 bits"
+                f"{where}: payload={payload!r}; accepted values are None or a signed 64-bit "
+                "integer"
             )
         if not isinstance(sync, bool):
             raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")
@@ -148,7 +148,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     """
 
     __slots__ = (
-        "_attributes", "_range_id", "_rf", "_token", "device_ms", "end_event", "error",
+        "_attributes", "_nvtx", "_range_id", "_rf", "_token", "device_ms", "end_event", "error",
         "events", "parent_id", "resolved", "span_id", "spec", "start_event", "t0", "t1",
         "thread_id", "trace_id",
     )
@@ -171,13 +171,13 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         if not PIPELINE.started:
             PIPELINE.start()
         spec = self.spec
-        if _state.nvtx:
-            dom = spec.nvtx.domain
-            if dom is not None:
-                if spec.asynchronous:  # ranges that may interleave with other tasks
-                    self._range_id = dom.start_range(spec.nvtx.attributes)
-                else:
-                    dom.push_range(spec.nvtx.attributes)
+        dom = spec.nvtx.domain if _state.nvtx else None
+        self._nvtx = dom  # exit closes exactly what enter opened, whatever configure() did since
+        if dom is not None:
+            if spec.asynchronous:  # ranges that may interleave with other tasks
+                self._range_id = dom.start_range(spec.nvtx.attributes)
+            else:
+                dom.push_range(spec.nvtx.attributes)
         if _profiler_enabled():
             rf = _record_function(spec.name)
             rf.__enter__()
@@ -220,13 +220,12 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                 self._rf = None
                 rf.__exit__(None, None, None)
             spec = self.spec
-            if _state.nvtx:
-                dom = spec.nvtx.domain
-                if dom is not None:
-                    if spec.asynchronous:
-                        dom.end_range(self._range_id)
-                    else:
-                        dom.pop_range()
+            dom = self._nvtx
+            if dom is not None:
+                if spec.asynchronous:
+                    dom.end_range(self._range_id)
+                else:
+                    dom.pop_range()
             if end is not None and spec.sync:
                 PIPELINE.resolve_region(self, wait=True)
             # A plain tuple (see perfsdk.record); the Region rides along only with GPU events.

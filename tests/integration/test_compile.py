@@ -1,0 +1,140 @@
+"""perfsdk inside ``torch.compile``: no graph break, same results.
+
+``fullgraph=True`` turns any graph break into an exception, and ``torch._dynamo.explain``
+counts graphs and breaks, so both are used as the real consumer here. Most tests use the
+``eager``/``aot_eager`` backends (Dynamo's tracing is what can break; they skip codegen); one
+compiles with the default inductor backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from perfsdk import profiled, timed_region
+from perfsdk.testing import capture
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@profiled("cc.inner")
+def inner(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2
+
+
+@profiled("cc.named", color="green", category="math", payload=3, attributes={"k": 1})
+def named(x: torch.Tensor) -> torch.Tensor:
+    return x.cos() + 1
+
+
+def model_fn(x: torch.Tensor) -> torch.Tensor:
+    return named(inner(x)) - x
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    @profiled("cc.forward")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return inner(self.lin(x)).relu()
+
+
+def _explain(fn: Any, *args: Any) -> Any:
+    return torch._dynamo.explain(fn)(*args)
+
+
+def test_explain_finds_one_graph_and_no_break() -> None:
+    x = torch.randn(8)
+    out = _explain(model_fn, x)
+    assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
+    assert out.break_reasons == []
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_same_result(backend: str) -> None:
+    x = torch.randn(8)
+    compiled = torch.compile(model_fn, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(x), model_fn(x))
+    torch.testing.assert_close(compiled(x + 1), model_fn(x + 1))
+
+
+def test_compiling_the_decorated_function_itself() -> None:
+    x = torch.randn(8)
+    compiled = torch.compile(named, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), x.cos() + 1)
+    out = _explain(named, x)
+    assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
+
+
+def test_module_with_profiled_forward() -> None:
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(4, 8)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), block(x))
+    # and backward through the compiled graph works
+    compiled(x).sum().backward()
+    assert block.lin.weight.grad is not None
+
+
+# torch's own deprecation notice, raised while inductor sets itself up (not perfsdk's)
+@pytest.mark.filterwarnings(r"ignore:.*torch\.jit\.script_method:DeprecationWarning")
+def test_fullgraph_with_the_default_inductor_backend() -> None:
+    x = torch.randn(16)
+    compiled = torch.compile(model_fn, fullgraph=True)
+    torch.testing.assert_close(compiled(x), model_fn(x))
+
+
+def test_regions_still_recorded_outside_compiled_code() -> None:
+    x = torch.randn(8)
+    compiled = torch.compile(model_fn, fullgraph=True, backend="eager")
+    compiled(x)
+    with capture() as cap:
+        expected = model_fn(x)  # eager: the wrappers are live again
+        torch.testing.assert_close(compiled(x), expected)
+    names = [r.name for r in cap.regions]
+    assert names.count("cc.inner") >= 1
+    assert names.count("cc.named") >= 1
+
+
+# Dynamo's notice of an untraceable call; the graph break itself is what must not happen
+_DYNAMO_NOTICE = "ignore:Dynamo does not know how to trace:UserWarning"
+
+
+@pytest.mark.filterwarnings(_DYNAMO_NOTICE)
+def test_timed_region_inside_compiled_function() -> None:
+    """DESIGN rule 5: inside compiled code a region must not cause a graph break; this one
+    uses ``with timed_region(...)`` rather than a decorator."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        with timed_region("cc.block", step=1):
+            y = torch.cos(x)
+        return y + 1
+
+    x = torch.randn(8)
+    compiled = torch.compile(body, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), torch.cos(x) + 1)
+
+
+@pytest.mark.filterwarnings(_DYNAMO_NOTICE)
+def test_timed_region_as_decorator_inside_compiled_function() -> None:
+    @timed_region("cc.decorated")
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return step(x) + 1
+
+    x = torch.randn(8)
+    compiled = torch.compile(body, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), x * 3 + 1)
