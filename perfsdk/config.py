@@ -238,13 +238,14 @@ def configure(
         changes["enabled"] = _arg_bool("enabled", enabled)
     if nvtx is not _UNSET:
         changes["nvtx"] = _arg_bool("nvtx", nvtx)
-    for arg, field, value, parse in (
+    parsers: tuple[tuple[str, str, Any, Callable[[Any], Any]], ...] = (
         ("exporter", "exporters", exporter, _parse_exporters),
         ("output_dir", "output_dir", output_dir, _parse_path),
         ("sample_every", "sample_every", sample_every, _parse_every),
         ("service_name", "service_name", service_name, _parse_name),
         ("export_timeout_s", "export_timeout_s", export_timeout_s, _parse_timeout),
-    ):
+    )
+    for arg, field, value, parse in parsers:
         if value is _UNSET:
             continue
         try:

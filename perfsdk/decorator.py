@@ -13,7 +13,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from typing_extensions import ParamSpec
@@ -69,7 +69,7 @@ class Profiler:
             raise ValueError(f"profiled: sync={self.sync!r}; accepted values are True or False")
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        return _wrap(fn, self)
+        return cast("Callable[P, R]", _wrap(fn, self))
 
 
 @overload
@@ -162,11 +162,14 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
         return staticmethod(_wrap(fn.__func__, opts))
     name = (opts.name or getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
             or type(fn).__qualname__)
-    if inspect.isasyncgenfunction(fn):
+    # A callable object is as async (or generating) as its __call__.
+    probe = (fn if inspect.isroutine(fn) or isinstance(fn, (type, functools.partial))
+             else type(fn).__call__)  # unbound: same code flags
+    if inspect.isasyncgenfunction(probe):
         kind = "asyncgen"
-    elif inspect.isgeneratorfunction(fn):
+    elif inspect.isgeneratorfunction(probe):
         kind = "gen"
-    elif inspect.iscoroutinefunction(fn):
+    elif inspect.iscoroutinefunction(probe):
         kind = "async"
     else:
         kind = "sync"

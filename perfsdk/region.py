@@ -162,6 +162,10 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self._attributes = attributes
         self.events: list[tuple[str, dict[str, Any], int]] | None = None
         self.start_event: _device.Event | None = None
+        self.end_event: _device.Event | None = None
+        self.device_ms: float | None = None
+        self.error: BaseException | None = None
+        self.resolved = False
         self.t0 = 0
         self.t1 = 0
         self._rf: Any = None
@@ -208,7 +212,6 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             end.record()
         self.end_event = end
         self.resolved = end is None
-        self.device_ms = None
         self.t1 = t1
         self.error = error
         try:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
+import torch
 from typing_extensions import ParamSpec
 
 from perfsdk.config import state as _state
@@ -19,6 +20,8 @@ __all__ = ["timed_region"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+_is_compiling = torch.compiler.is_compiling
 
 
 @functools.lru_cache(maxsize=4096)
@@ -43,6 +46,9 @@ class timed_region:
     Keyword arguments other than ``domain``, ``color``, ``category``, ``payload`` and ``sync``
     become span attributes; pass ``attributes={...}`` for attributes with those names.
 
+    Inside ``torch.compile``d code the block runs uninstrumented, so it causes no graph break,
+    and ``as`` gives None there.
+
     Example:
         >>> import perfsdk
         >>> with perfsdk.timed_region("load", batch=3) as r:
@@ -66,6 +72,11 @@ class timed_region:
         attributes: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> None:
+        self._args = (name, domain, color, category, payload, sync)
+        self._active: list[Region] = []
+        if _is_compiling():  # inside torch.compile'd code: step aside (no graph break)
+            self._attributes = None
+            return
         attrs = dict(attributes or {})
         attrs.update(extra)
         self._attributes = validate_attributes(attrs, "timed_region") if attrs else None
@@ -80,10 +91,10 @@ class timed_region:
             RegionSpec.create(name, domain=domain, color=color, category=category,
                               payload=payload, sync=sync, where="timed_region")
             raise
-        self._args = (name, domain, color, category, payload, sync)
-        self._active: list[Region] = []
 
     def __enter__(self) -> Region:
+        if _is_compiling():
+            return None  # type: ignore[return-value]  # no handle inside compiled code
         return self._enter(self._spec)
 
     def _enter(self, spec: RegionSpec) -> Region:
@@ -95,6 +106,8 @@ class timed_region:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if _is_compiling():
+            return
         # One object may be active in several tasks or threads at once (a module-level
         # ``LOAD = timed_region("load")`` used in concurrent tasks): exit the region that is
         # current here, not the one entered last anywhere.
@@ -108,6 +121,8 @@ class timed_region:
             region.exit(exc)
 
     async def __aenter__(self) -> Region:
+        if _is_compiling():
+            return None  # type: ignore[return-value]
         # NVTX start/end ranges: push/pop would interleave with other tasks across awaits.
         return self._enter(_spec(*self._key, asynchronous=True))
 

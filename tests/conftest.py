@@ -1,0 +1,96 @@
+"""Shared test set-up: markers, auto-skip rules and perfsdk fixtures.
+
+* ``slow`` tests run only with ``--run-slow``.
+* ``gpu`` tests skip when ``torch.cuda.is_available()`` is False; with ``PERFSDK_REQUIRE_GPU=1``
+  (set on GPU runners) that skip becomes a failure, so a broken CUDA install cannot pass silently.
+* ``distributed`` tests are deselected unless ``WORLD_SIZE`` > 1 (they run under ``torchrun``).
+* Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``captured`` (in-memory capture of
+  resolved regions and spans) and the autouse ``fresh_config`` that restores perfsdk's settings
+  and warning counts and drains the pipeline after every test. ``nvtx_lib`` (the NVTX recording
+  injection library) comes from ``tests.nvtx_injection.fixtures``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+
+import pytest
+
+import perfsdk.config
+import perfsdk.errors
+from perfsdk.pipeline import PIPELINE
+from perfsdk.testing import Capture, FakeCuda, capture, use_fake_cuda
+
+pytest_plugins = ["tests.nvtx_injection.fixtures"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked 'slow'")
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    # Asked only when a gpu test is about to run: on a GPU machine the question itself touches
+    # the driver, which must not happen in runs that fork (DataLoader workers) without one.
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _require_gpu() -> bool:
+    return os.environ.get("PERFSDK_REQUIRE_GPU", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _world_size() <= 1:
+        deselected = [item for item in items if item.get_closest_marker("distributed")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not item.get_closest_marker("distributed")]
+    if not config.getoption("--run-slow"):
+        skip_slow = pytest.mark.skip(reason="slow test: run with --run-slow")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(skip_slow)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") and not _cuda_available():
+        if _require_gpu():
+            pytest.fail("PERFSDK_REQUIRE_GPU=1 but torch.cuda.is_available() is False",
+                        pytrace=False)
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture(autouse=True)
+def fresh_config() -> Iterator[None]:
+    """After each test: settings from the environment again, warning counts cleared, and every
+    finished region handed to the sinks (so nothing leaks into the next test's capture)."""
+    yield
+    PIPELINE.drain(wait=True)
+    perfsdk.config.reset_from_env()
+    perfsdk.errors.reset_counts()
+
+
+@pytest.fixture
+def fake_cuda() -> Iterator[FakeCuda]:
+    """perfsdk's device interface routed to a fake GPU for the test."""
+    with use_fake_cuda() as fake:
+        yield fake
+
+
+@pytest.fixture
+def captured() -> Iterator[Capture]:
+    """Regions (and their spans) that resolve during the test."""
+    with capture() as cap:
+        yield cap

@@ -1,0 +1,306 @@
+"""Device timing on the fake CUDA backend: nothing resolves early, device_ms is exact, events go
+back to the pool, and the non-sync flow makes no synchronizing call at all."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+
+import pytest
+import torch
+
+import perfsdk
+from perfsdk import _device, clocks, profiled, timed_region
+from perfsdk.errors import counts
+from perfsdk.pipeline import PIPELINE
+from perfsdk.testing import FakeCuda, FakeEvent, FakeStream, use_fake_cuda
+
+
+def pending():
+    """Regions not yet handed to the sinks, read while no drain is half-way through."""
+    lock = getattr(PIPELINE, "_drain_lock", None) or contextlib.nullcontext()
+    with lock:
+        return PIPELINE.pending
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_nothing_resolves_until_the_gpu_finishes(fake_cuda, captured):
+    with timed_region("work") as r:
+        fake_cuda.launch(5.0)
+    assert r.host_ms is not None
+    PIPELINE.drain(wait=False)
+    assert captured.regions == []
+    assert pending() == 1
+    assert r.device_ms is None
+
+    fake_cuda.advance(4.0)  # not quite there
+    PIPELINE.drain(wait=False)
+    assert captured.regions == []
+    assert pending() == 1
+
+    fake_cuda.advance(1.0)
+    PIPELINE.drain(wait=False)
+    (region,) = captured.regions
+    assert region.device_ms == 5.0
+    assert r.device_ms == 5.0
+    assert pending() == 0
+    assert captured.span("work").attributes["perfsdk.device_ms"] == 5.0
+    assert fake_cuda.sync_calls == []
+
+
+def test_device_ms_of_nested_regions(fake_cuda, captured):
+    @profiled("inner")
+    def inner():
+        fake_cuda.launch(2.0)
+
+    with timed_region("outer"):
+        fake_cuda.launch(1.0)
+        inner()
+        fake_cuda.launch(0.5)
+    fake_cuda.complete_all()
+    PIPELINE.drain(wait=False)
+    regions = {r.name: r for r in captured.regions}
+    assert regions["inner"].device_ms == 2.0
+    assert regions["outer"].device_ms == 3.5
+    assert regions["inner"].parent_span_id == regions["outer"].span_id
+    assert fake_cuda.sync_calls == []
+
+
+def test_later_regions_do_not_wait_for_earlier_ones(fake_cuda, captured):
+    with timed_region("first"):
+        fake_cuda.launch(3.0)
+    with timed_region("second"):
+        fake_cuda.launch(4.0)
+    fake_cuda.advance(3.0)
+    PIPELINE.drain(wait=False)
+    assert [(r.name, r.device_ms) for r in captured.regions] == [("first", 3.0)]
+    assert pending() == 1
+    fake_cuda.advance(4.0)
+    PIPELINE.drain(wait=False)
+    assert [(r.name, r.device_ms) for r in captured.regions] == [("first", 3.0), ("second", 4.0)]
+
+
+def test_the_background_poller_only_queries_and_resolves_by_itself(fake_cuda, captured):
+    with timed_region("polled"):
+        fake_cuda.launch(1.0)
+    start = fake_cuda.queries
+    # the poller keeps asking (query) without ever waiting for the GPU
+    assert wait_until(lambda: fake_cuda.queries >= start + 3)
+    assert fake_cuda.sync_calls == []
+    assert captured.regions == []
+    fake_cuda.complete_all()
+    assert wait_until(lambda: len(captured.regions) == 1)  # nobody called drain()
+    assert captured.regions[0].device_ms == 1.0
+    assert fake_cuda.sync_calls == []
+
+
+def test_events_return_to_the_pool(fake_cuda, captured):
+    pool = clocks.event_pool(fake_cuda)
+    with timed_region("pooled"):
+        fake_cuda.launch(1.0)
+    assert pool.created == 2
+    assert pool.free == 0
+    fake_cuda.complete_all()
+    PIPELINE.drain(wait=False)
+    assert pool.free == 2
+
+    for _ in range(200):  # one at a time: the same two events over and over
+        with timed_region("pooled"):
+            fake_cuda.launch(0.1)
+        fake_cuda.complete_all()
+        PIPELINE.drain(wait=False)
+    assert pool.created == 2
+    assert pool.free == 2
+    assert fake_cuda.events_created == 2
+
+    for _ in range(50):  # 50 in flight at once need 100 events, and then no more
+        with timed_region("pooled"):
+            fake_cuda.launch(0.1)
+    assert pool.free == 0
+    fake_cuda.complete_all()
+    PIPELINE.drain(wait=False)
+    assert pool.free == 100
+    for _ in range(50):
+        with timed_region("pooled"):
+            fake_cuda.launch(0.1)
+    fake_cuda.complete_all()
+    PIPELINE.drain(wait=False)
+    assert pool.created == 100
+    assert len(captured.regions) == 301
+    assert fake_cuda.sync_calls == []
+
+
+def test_whole_non_sync_flow_never_synchronizes(fake_cuda, captured):
+    @profiled("step")
+    def step(i):
+        with timed_region("load", i=i):
+            fake_cuda.launch(1.0)
+        fake_cuda.launch(2.0)
+
+    @profiled("gen")
+    def batches():
+        for _ in range(3):
+            fake_cuda.launch(0.5)
+            yield
+
+    for i in range(20):
+        step(i)
+        for _ in batches():
+            pass
+        if i % 5 == 0:
+            fake_cuda.advance(3.0)
+            PIPELINE.drain(wait=False)
+    fake_cuda.complete_all()
+    perfsdk.flush()
+    table = perfsdk.summary(show=False)
+    assert table["step"].device_total_ms == pytest.approx(20 * 3.0)
+    assert table["load"].device_p50_ms == pytest.approx(1.0)
+    assert len(captured.named("step")) == 20
+    assert all(r.device_ms == 3.0 for r in captured.named("step"))
+    assert fake_cuda.queries > 0
+    assert fake_cuda.sync_calls == []
+
+
+def test_result_waits_for_its_own_region_only(fake_cuda, captured):
+    with timed_region("mine") as mine:
+        fake_cuda.launch(3.0)
+    with timed_region("other"):
+        fake_cuda.launch(4.0)
+    result = mine.result()
+    assert result.device_ms == 3.0
+    assert mine.device_ms == 3.0
+    assert fake_cuda.sync_calls == ["Event.synchronize"]  # never a device-wide synchronize
+    assert fake_cuda.gpu_ms == 3.0  # the later work was not waited for
+    PIPELINE.drain(wait=False)
+    assert [r.name for r in captured.regions] == ["mine"]
+    assert captured.regions[0].device_ms == 3.0
+    assert pending() == 1
+    fake_cuda.complete_all()
+    PIPELINE.drain(wait=False)
+    assert [r.device_ms for r in captured.regions] == [3.0, 4.0]
+
+
+def test_sync_true_resolves_at_exit(fake_cuda, captured):
+    with timed_region("synced", sync=True) as r:
+        fake_cuda.launch(2.0)
+    assert r.device_ms == 2.0  # before anything drained
+    assert fake_cuda.sync_calls == ["Event.synchronize"]
+    PIPELINE.drain(wait=False)
+    assert captured.regions[0].device_ms == 2.0
+
+
+def test_cuda_not_initialized_means_no_events(captured):
+    fake = FakeCuda()
+    fake.initialized = False
+    with use_fake_cuda(fake):
+        with timed_region("cpu-only") as r:
+            fake.launch(1.0)
+        profiled("fn")(lambda: None)()
+        PIPELINE.drain(wait=False)
+        assert [x.device_ms for x in captured.regions] == [None, None]
+        assert r.device_ms is None
+        assert fake.events_created == 0
+        assert fake.records == 0
+        assert fake.queries == 0
+        assert fake.sync_calls == []
+
+
+def test_cuda_initialized_later_is_picked_up(captured):
+    fake = FakeCuda()
+    fake.initialized = False
+    with use_fake_cuda(fake):
+        with timed_region("before"):
+            pass
+        fake.initialized = True  # the application initialized CUDA in the meantime
+        with timed_region("after"):
+            fake.launch(1.5)
+        fake.complete_all()
+        PIPELINE.drain(wait=False)
+    assert [(r.name, r.device_ms) for r in captured.regions] == [("before", None), ("after", 1.5)]
+
+
+def test_broken_event_timing_warns_and_leaves_device_ms_empty(captured):
+    class NoTiming(FakeCuda):
+        def Event(self, enable_timing=False, blocking=False, interprocess=False,
+                  external=False):
+            return super().Event(False, blocking, interprocess, external)  # elapsed_time raises
+
+    with use_fake_cuda(NoTiming()) as fake:
+        with timed_region("broken"):
+            fake.launch(1.0)
+        fake.complete_all()
+        PIPELINE.drain(wait=False)
+    assert [r.device_ms for r in captured.regions] == [None]
+    assert counts().get("device-timing") == 1
+
+
+def test_fake_backend_is_restored():
+    before = _device.get_backend()
+    with use_fake_cuda() as fake:
+        assert _device.get_backend() is fake
+    assert _device.get_backend() is before
+
+
+# -- the contract: the fake has torch.cuda's names and signatures -------------------------------
+def _params(fn, drop=("self", "cls")):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
+            if p.name not in drop]
+
+
+CONTRACT = {
+    (FakeCuda, "is_initialized"): torch.cuda.is_initialized,
+    (FakeCuda, "Event"): torch.cuda.Event.__new__,
+    (FakeCuda, "current_stream"): torch.cuda.current_stream,
+    (FakeCuda, "synchronize"): torch.cuda.synchronize,
+    (FakeCuda, "get_device_name"): torch.cuda.get_device_name,
+    (FakeEvent, "record"): torch.cuda.Event.record,
+    (FakeEvent, "query"): torch.cuda.Event.query,
+    (FakeEvent, "elapsed_time"): torch.cuda.Event.elapsed_time,
+    (FakeEvent, "synchronize"): torch.cuda.Event.synchronize,
+    (FakeEvent, "wait"): torch.cuda.Event.wait,
+    (FakeStream, "synchronize"): torch.cuda.Stream.synchronize,
+    (FakeStream, "query"): torch.cuda.Stream.query,
+}
+TEST_CONTROLS = {"launch", "advance", "complete_all"}
+
+
+@pytest.mark.parametrize(("fake", "real"), list(CONTRACT.items()),
+                         ids=[f"{c.__name__}.{m}" for c, m in CONTRACT])
+def test_fake_matches_torch_cuda_signature(fake, real):
+    cls, method = fake
+    assert _params(getattr(cls, method)) == _params(real)
+
+
+def test_fake_event_constructor_matches_torch():
+    assert _params(FakeEvent.__init__, drop=("self", "fake")) == _params(torch.cuda.Event.__new__)
+
+
+def test_every_fake_method_is_under_contract():
+    for cls in (FakeCuda, FakeEvent, FakeStream):
+        public = {name for name, value in vars(cls).items()
+                  if callable(value) and not name.startswith("_")}
+        covered = {m for c, m in CONTRACT if c is cls}
+        assert public - TEST_CONTROLS == covered, cls.__name__
+
+
+@pytest.mark.parametrize(("protocol", "fake"), [
+    (_device.CudaBackend, FakeCuda), (_device.Event, FakeEvent), (_device.Stream, FakeStream),
+    (_device.CudaBackend, _device.TorchCuda),
+])
+def test_what_perfsdk_calls_exists_on_the_fake(protocol, fake):
+    for name, value in vars(protocol).items():
+        if name.startswith("_") or not callable(value):
+            continue
+        implemented = getattr(fake, name)
+        wanted = [n for n, _ in _params(value)]
+        have = [n for n, _ in _params(implemented)]
+        assert have[:len(wanted)] == wanted, (fake.__name__, name)

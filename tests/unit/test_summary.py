@@ -1,0 +1,228 @@
+"""The summary: counts, totals and percentiles against numbers computed independently; the
+table; bounded memory with exact counts."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+
+import numpy as np
+import pytest
+
+import perfsdk
+from perfsdk import lifecycle, profiled, timed_region
+from perfsdk.export import summary as summary_mod
+from perfsdk.export.summary import RegionStats, Summary, percentile
+from perfsdk.pipeline import PIPELINE
+
+
+@pytest.fixture(autouse=True)
+def empty_summary():
+    PIPELINE.drain(wait=True)
+    lifecycle.SUMMARY.reset()
+    yield
+    PIPELINE.drain(wait=True)
+    lifecycle.SUMMARY.reset()
+
+
+def pct(values, q):
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+# -- percentiles --------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 101, 1000])
+def test_percentile_matches_numpy(n):
+    rng = random.Random(n)
+    values = sorted(rng.uniform(0, 100) for _ in range(n))
+    for q in (0, 1, 25, 50, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(pct(values, q), rel=1e-12, abs=1e-12)
+
+
+def test_percentile_of_nothing_is_nan():
+    assert math.isnan(percentile([], 50))
+
+
+# -- host times through the real pipeline ------------------------------------------------------
+def test_host_stats_match_the_captured_regions(captured):
+    @profiled("host.step")
+    def step(n):
+        return sum(range(n))
+
+    for i in range(60):
+        step(100 * (i % 7))
+    with pytest.raises(ValueError, match="x"), timed_region("host.step"):
+        raise ValueError("x")
+
+    table = perfsdk.summary(show=False)
+    host = [r.host_ms for r in captured.named("host.step")]
+    assert len(host) == 61
+    row = table["host.step"]
+    assert row.count == 61
+    assert row.errors == 1
+    assert row.total_ms == pytest.approx(math.fsum(host), rel=1e-9)
+    assert row.mean_ms == pytest.approx(math.fsum(host) / 61, rel=1e-9)
+    assert row.p50_ms == pytest.approx(pct(host, 50), rel=1e-9)
+    assert row.p95_ms == pytest.approx(pct(host, 95), rel=1e-9)
+    assert row.p99_ms == pytest.approx(pct(host, 99), rel=1e-9)
+    assert row.device_count == 0
+    assert row.device_total_ms is None
+    assert row.device_p50_ms is None
+
+
+# -- device times with known values (fake GPU) --------------------------------------------------
+def test_device_stats_from_known_durations(fake_cuda):
+    durations = [float(i) for i in range(1, 101)]
+    random.Random(1).shuffle(durations)
+    for ms in durations:
+        with timed_region("gpu.step"):
+            fake_cuda.launch(ms)
+    with timed_region("gpu.small"):
+        fake_cuda.launch(0.25)
+    fake_cuda.complete_all()
+    table = perfsdk.summary(show=False)
+    row = table["gpu.step"]
+    assert row.count == 100
+    assert row.device_count == 100
+    assert row.device_total_ms == 5050.0
+    assert row.device_mean_ms == 50.5
+    assert row.device_p50_ms == pytest.approx(50.5)
+    assert row.device_p95_ms == pytest.approx(95.05)
+    assert row.device_p99_ms == pytest.approx(99.01)
+    assert [r.name for r in table] == ["gpu.step", "gpu.small"]  # biggest GPU total first
+    assert table["gpu.small"].device_total_ms == 0.25
+
+
+def test_rows_are_ordered_by_total(captured):
+    @profiled("cheap")
+    def cheap():
+        pass
+
+    @profiled("dear")
+    def dear():
+        sum(range(200_000))
+
+    cheap()
+    dear()
+    table = perfsdk.summary(show=False)
+    totals = {r.name: r.host_ms for r in captured.regions}
+    assert [r.name for r in table] == sorted(totals, key=totals.__getitem__, reverse=True)
+
+
+# -- the table ----------------------------------------------------------------------------------
+def test_table_text_and_data(capsys):
+    @profiled("forward")
+    def forward():
+        pass
+
+    for _ in range(3):
+        forward()
+    data = perfsdk.summary(show=False)
+    assert capsys.readouterr().out == ""
+    assert isinstance(data, Summary)
+    assert len(data) == 1
+    assert "forward" in data
+    assert "backward" not in data
+    (row,) = list(data)
+    assert isinstance(row, RegionStats)
+    assert data.as_dicts()[0]["count"] == 3
+    with pytest.raises(KeyError):
+        data["backward"]
+
+    shown = perfsdk.summary()
+    out = capsys.readouterr().out
+    assert shown == data
+    lines = out.strip().splitlines()
+    header = lines[0].split()
+    for column in ("region", "calls", "errors", "total", "mean", "p50", "p95", "p99"):
+        assert column in header
+    assert set(lines[1]) == {"-"}
+    assert lines[2].split()[0] == "forward"
+    assert lines[2].split()[1] == "3"
+    assert "gpu" not in out  # no device columns without device timings
+    assert str(data) == out.rstrip("\n")
+
+    buffer = io.StringIO()
+    perfsdk.summary(file=buffer)
+    assert buffer.getvalue() == out
+
+
+def test_table_has_gpu_columns_and_errors(fake_cuda):
+    with timed_region("k"):
+        fake_cuda.launch(1234.5)
+    with pytest.raises(RuntimeError), timed_region("k"):
+        raise RuntimeError
+    fake_cuda.complete_all()
+    text = str(perfsdk.summary(show=False))
+    header, rule, line = text.splitlines()
+    assert "gpu total ms" in header
+    assert "gpu p99" in header
+    assert len(rule) == len(header)
+    cells = line.split()
+    assert cells[:3] == ["k", "2", "1"]  # name, calls, errors
+    assert "1,234.5" in cells  # device total, thousands separator
+
+
+def test_empty_summary():
+    table = perfsdk.summary(show=False)
+    assert len(table) == 0
+    assert "no regions recorded" in str(table)
+
+
+def test_formatting_of_small_and_large_values():
+    rows = (RegionStats("a", 1, 0, 0.0123, 0.0123, 0.0123, 0.0123, 0.0123),
+            RegionStats("b", 1_234_567, 0, 12345.678, 5.5, 5.5, 5.5, math.nan))
+    text = summary_mod.render(rows)
+    assert "0.012" in text
+    assert "12,345.7" in text
+    assert "1,234,567" in text
+    assert "5.50" in text
+    assert text.splitlines()[-1].rstrip().endswith("-")  # NaN shows as '-'
+
+
+# -- bounded memory -----------------------------------------------------------------------------
+def test_reservoir_bounds_memory_with_exact_count_and_total():
+    series = summary_mod._Series()
+    rng = random.Random(7)
+    values = [rng.uniform(0, 10) for _ in range(3 * summary_mod.RESERVOIR)]
+    for v in values:
+        series.add(v)
+    assert series.count == len(values)
+    assert series.total == pytest.approx(math.fsum(values), rel=1e-12)
+    assert len(series.samples) == summary_mod.RESERVOIR
+    # a uniform sample of a uniform stream: percentiles close to the true ones
+    sample = sorted(series.samples)
+    assert percentile(sample, 50) == pytest.approx(pct(values, 50), abs=0.2)
+    assert percentile(sample, 95) == pytest.approx(pct(values, 95), abs=0.2)
+    # and later values are represented, not just the first RESERVOIR ones
+    late = set(values[2 * summary_mod.RESERVOIR:])
+    assert sum(1 for s in series.samples if s in late) > summary_mod.RESERVOIR // 5
+
+
+def test_reservoir_through_the_pipeline(monkeypatch, captured):
+    monkeypatch.setattr(summary_mod, "RESERVOIR", 50)
+
+    @profiled("many")
+    def many():
+        pass
+
+    for _ in range(1000):
+        many()
+    table = perfsdk.summary(show=False)
+    host = [r.host_ms for r in captured.named("many")]
+    assert table["many"].count == 1000
+    assert table["many"].total_ms == pytest.approx(math.fsum(host), rel=1e-9)
+    acc = lifecycle.SUMMARY._acc["many"]
+    assert len(acc.host.samples) == 50
+    assert min(host) <= table["many"].p50_ms <= max(host)
+
+
+def test_summary_after_fork_starts_empty():
+    @profiled("parent-only")
+    def f():
+        pass
+
+    f()
+    PIPELINE.drain(wait=True)
+    lifecycle.SUMMARY.after_fork()
+    assert len(perfsdk.summary(show=False)) == 0
