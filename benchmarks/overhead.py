@@ -185,7 +185,6 @@ def measure(args: argparse.Namespace) -> int:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
     import perfsdk
-    import perfsdk.export.otel as perfsdk_otel
     from perfsdk.pipeline import PIPELINE
 
     class DropExporter(SpanExporter):
@@ -206,14 +205,10 @@ def measure(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
 
-    # perfsdk's own pipeline ("owned" mode) with a dropping exporter. There is no public way to
-    # hand perfsdk an exporter instance, so the public factory it calls is replaced.
+    # perfsdk's own pipeline ("owned" mode) with a dropping exporter instance.
     perfsdk_drop = DropExporter()
-    perfsdk_otel.make_exporter = lambda name, config: perfsdk_otel.GuardedExporter(
-        perfsdk_drop, name)
-    notes.append("full: perfsdk.export.otel.make_exporter is monkeypatched to return "
-                 "GuardedExporter(DropExporter()) and configure(exporter='console') selects it "
-                 "(no public way to pass an exporter instance)")
+    notes.append("full: configure(exporter=DropExporter()) - perfsdk's own pipeline, spans "
+                 "built and handed to an exporter that drops them")
 
     # OpenTelemetry's own tracer on an SDK provider with the same BatchSpanProcessor settings
     # perfsdk uses. Not installed globally: perfsdk must stay in its owned mode (a global SDK
@@ -235,8 +230,11 @@ def measure(args: argparse.Namespace) -> int:
         provider.force_flush()
         gc.collect()
 
-    def use_exporter(name: str) -> Callable[[], None]:
-        return lambda: perfsdk.configure(exporter=name)
+    def use_exporter(exporter: Any) -> Callable[[], None]:
+        return lambda: perfsdk.configure(exporter=exporter, timing=True)
+
+    def nvtx_only() -> None:
+        perfsdk.configure(exporter="none", timing=False)
 
     interval = getattr(PIPELINE, "interval", None)
 
@@ -287,10 +285,11 @@ def measure(args: argparse.Namespace) -> int:
                 perfsdk.profiled("bench.disabled_at_runtime")(body()),
                 setup=lambda: perfsdk.configure(enabled=False),
                 teardown=lambda: perfsdk.configure(enabled=True)),
-        Variant("nvtx_only", "@profiled NVTX-only (exporter none)",
-                perfsdk.profiled("bench.nvtx_only")(body()), setup=use_exporter("none")),
+        Variant("nvtx_only", "@profiled NVTX-only (PERFSDK_TIMING=0)",
+                perfsdk.profiled("bench.nvtx_only")(body()), setup=nvtx_only,
+                teardown=lambda: perfsdk.configure(timing=True)),
         Variant("full", "@profiled full (spans, dropping exporter)", full,
-                setup=use_exporter("console")),
+                setup=use_exporter(perfsdk_drop)),
         Variant("nvtx_annotate", "nvtx.annotate decorator",
                 nvtx.annotate("bench.annotate", color="blue", domain="bench")(body())),
         Variant("nvtx_pushpop", "nvtx domain push/pop, pre-built attrs", pushpop),
@@ -300,7 +299,7 @@ def measure(args: argparse.Namespace) -> int:
     if interval is not None and hasattr(PIPELINE, "wake"):
         variants.insert(6, Variant(
             "full_paused", "@profiled full, pipeline thread paused", full,
-            setup=use_exporter("console"), pause=pause_pipeline, teardown=resume_pipeline))
+            setup=use_exporter(perfsdk_drop), pause=pause_pipeline, teardown=resume_pipeline))
         notes.append("full_paused: the pipeline's background thread is held asleep during the "
                      "timed loop (PIPELINE.interval set to an hour); the regions are drained "
                      "after the loop, outside the timing")
@@ -349,7 +348,7 @@ def measure(args: argparse.Namespace) -> int:
 
     # -- whole cost: a long loop plus the final flush -------------------------------------
     def whole_full() -> tuple[float, int]:
-        perfsdk.configure(exporter="console")
+        perfsdk.configure(exporter=perfsdk_drop)
         timed_loop(full, 100)
         settle()
         before = perfsdk_drop.spans

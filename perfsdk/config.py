@@ -59,9 +59,14 @@ PERFSDK_NVTX: Final = "PERFSDK_NVTX"
 """Emit NVTX ranges: ``1``/``0``. Default ``1``. NVTX costs ~60 ns a range when no tool is
 attached."""
 
+PERFSDK_TIMING: Final = "PERFSDK_TIMING"
+"""Measure regions: ``1``/``0``. Default ``1``. With ``0`` a region only emits its NVTX range
+(the lightest mode, for ``nsys profile`` runs where Nsight does the timing): no host or device
+time, no span, no summary row, no torch.profiler annotation."""
+
 PERFSDK_SERVICE_NAME: Final = "PERFSDK_SERVICE_NAME"
 """``service.name`` of perfsdk's OpenTelemetry resource. Default: ``OTEL_SERVICE_NAME`` if set,
-else ``perfsdk``."""
+else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES`` if set there, else ``perfsdk``."""
 
 PERFSDK_EXPORT_TIMEOUT: Final = "PERFSDK_EXPORT_TIMEOUT"
 """Seconds that :func:`perfsdk.flush` and :func:`perfsdk.shutdown` (and so interpreter exit) wait
@@ -80,10 +85,11 @@ class Config:
     """perfsdk's settings. Build one with :func:`configure`; read it with :func:`get_config`."""
 
     enabled: bool = True
-    exporters: tuple[str, ...] = ()
+    exporters: tuple[Any, ...] = ()
     output_dir: Path = Path("perfsdk-output")
     sample_every: int = 1
     nvtx: bool = True
+    timing: bool = True
     service_name: str = "perfsdk"
     export_timeout_s: float = 5.0
 
@@ -99,13 +105,23 @@ class Config:
             output_dir=_env(env, PERFSDK_OUTPUT_DIR, _parse_path, default.output_dir),
             sample_every=_env(env, PERFSDK_SAMPLE_EVERY, _parse_every, default.sample_every),
             nvtx=_env(env, PERFSDK_NVTX, _parse_bool, default.nvtx),
-            service_name=_env(
-                env, PERFSDK_SERVICE_NAME, _parse_name, env.get("OTEL_SERVICE_NAME") or "perfsdk"
-            ),
+            timing=_env(env, PERFSDK_TIMING, _parse_bool, default.timing),
+            service_name=_env(env, PERFSDK_SERVICE_NAME, _parse_name, _otel_service_name(env)),
             export_timeout_s=_env(
                 env, PERFSDK_EXPORT_TIMEOUT, _parse_timeout, default.export_timeout_s
             ),
         )
+
+
+def _otel_service_name(env: Mapping[str, str]) -> str:
+    """OpenTelemetry's own choice of service name, so perfsdk's resource does not override it."""
+    if env.get("OTEL_SERVICE_NAME"):
+        return env["OTEL_SERVICE_NAME"].strip()
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "service.name" and value.strip():
+            return value.strip()
+    return "perfsdk"
 
 
 def _env(env: Mapping[str, str], name: str, parse: Callable[[str], Any], default: Any) -> Any:
@@ -124,7 +140,7 @@ def _env(env: Mapping[str, str], name: str, parse: Callable[[str], Any], default
 
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
-        return ",".join(value) or "none"
+        return ",".join(v if isinstance(v, str) else type(v).__name__ for v in value) or "none"
     return str(value)
 
 
@@ -137,18 +153,29 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError("accepted values are 1/0, true/false, yes/no, on/off")
 
 
-def _parse_exporters(raw: str | Iterable[str]) -> tuple[str, ...]:
+def _is_exporter(item: Any) -> bool:
+    """An OpenTelemetry ``SpanExporter`` instance (anything with export and shutdown)."""
+    return callable(getattr(item, "export", None)) and callable(getattr(item, "shutdown", None))
+
+
+def _parse_exporters(raw: Any) -> tuple[Any, ...]:
+    if _is_exporter(raw):
+        return (raw,)
     items = raw.split(",") if isinstance(raw, str) else list(raw)
+    instances = [item for item in items if _is_exporter(item)]
+    items = [item for item in items if not _is_exporter(item)]
     names = [str(item).strip().lower() for item in items if str(item).strip()]
+    if instances and not names:
+        return tuple(instances)
     bad = [n for n in names if n not in EXPORTERS]
     if bad or not names:
         raise ValueError(
             f"unknown exporter {', '.join(map(repr, bad)) or '(empty)'}; accepted values are a "
-            f"comma list of {', '.join(EXPORTERS)}"
+            f"comma list of {', '.join(EXPORTERS)}, or OpenTelemetry SpanExporter instances"
         )
-    if "none" in names and len(names) > 1:
+    if "none" in names and len(names) + len(instances) > 1:
         raise ValueError("'none' cannot be combined with other exporters")
-    return tuple(dict.fromkeys(n for n in names if n != "none"))
+    return (*dict.fromkeys(n for n in names if n != "none"), *instances)
 
 
 def _parse_path(raw: str | os.PathLike[str]) -> Path:
@@ -184,12 +211,13 @@ def _parse_timeout(raw: str | float) -> float:
 class _HotState:
     """The few settings read on every call, as plain attributes (one attribute load each)."""
 
-    __slots__ = ("enabled", "nvtx", "sample_every")
+    __slots__ = ("enabled", "nvtx", "sample_every", "timing")
 
     def __init__(self, config: Config) -> None:
         self.enabled = config.enabled
         self.nvtx = config.nvtx
         self.sample_every = config.sample_every
+        self.timing = config.timing
 
 
 _lock = threading.Lock()
@@ -207,10 +235,11 @@ def get_config() -> Config:
 def configure(
     *,
     enabled: bool = _UNSET,
-    exporter: str | Iterable[str] = _UNSET,
+    exporter: str | Iterable[Any] | Any = _UNSET,
     output_dir: str | os.PathLike[str] = _UNSET,
     sample_every: int = _UNSET,
     nvtx: bool = _UNSET,
+    timing: bool = _UNSET,
     service_name: str = _UNSET,
     export_timeout_s: float = _UNSET,
 ) -> Config:
@@ -218,10 +247,12 @@ def configure(
 
     Args:
         enabled: turn instrumentation on or off at run time.
-        exporter: ``otlp``, ``console``, ``file`` or ``none``, or a list / comma string of them.
+        exporter: ``otlp``, ``console``, ``file`` or ``none``, or a list / comma string of them;
+            OpenTelemetry ``SpanExporter`` instances are accepted too (alone or in a list).
         output_dir: where the ``file`` exporter writes ``spans-<pid>.jsonl``.
         sample_every: record every N-th call of each region (N >= 1).
         nvtx: emit NVTX ranges.
+        timing: measure regions; False leaves only their NVTX ranges (see PERFSDK_TIMING).
         service_name: ``service.name`` of perfsdk's OpenTelemetry resource.
         export_timeout_s: the longest :func:`perfsdk.flush` / exit waits for exporters.
 
@@ -238,6 +269,8 @@ def configure(
         changes["enabled"] = _arg_bool("enabled", enabled)
     if nvtx is not _UNSET:
         changes["nvtx"] = _arg_bool("nvtx", nvtx)
+    if timing is not _UNSET:
+        changes["timing"] = _arg_bool("timing", timing)
     parsers: tuple[tuple[str, str, Any, Callable[[Any], Any]], ...] = (
         ("exporter", "exporters", exporter, _parse_exporters),
         ("output_dir", "output_dir", output_dir, _parse_path),
@@ -273,6 +306,7 @@ def _replace(new: Config) -> Config:
             listener(_config, new)  # may raise (e.g. a missing exporter): nothing changed then
         _config = new
         state.enabled, state.nvtx, state.sample_every = new.enabled, new.nvtx, new.sample_every
+        state.timing = new.timing
     return new
 
 

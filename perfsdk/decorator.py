@@ -190,9 +190,20 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
 
 def _sync(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
           counter: itertools.count[int]) -> Any:
+    marker = spec.nvtx
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _state.enabled or _is_compiling():
             return fn(*args, **kwargs)
+        if not _state.timing:  # NVTX-only: push, call, pop; nothing else
+            dom = marker.domain if _state.nvtx else None
+            if dom is None:
+                return fn(*args, **kwargs)
+            dom.push_range(marker.attributes)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dom.pop_range()
         n = every or _state.sample_every
         if n != 1 and next(counter) % n:
             return fn(*args, **kwargs)

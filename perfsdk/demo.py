@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import perfsdk
+from perfsdk import _device
 
 __all__ = ["run_demo"]
 
@@ -50,11 +51,12 @@ def run_demo(
 
     @perfsdk.profiled("forward", category="compute")
     def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return loss_fn(model(x), y)
+        loss: torch.Tensor = loss_fn(model(x), y)
+        return loss
 
     @perfsdk.profiled("backward", category="compute")
     def backward(loss: torch.Tensor) -> None:
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
 
     @perfsdk.profiled("optimizer", category="compute")
     def update() -> None:
@@ -70,7 +72,7 @@ def run_demo(
         return loss.detach()
 
     stream.write(f"perfsdk demo: training a 3-layer MLP for {steps} steps "
-                 f"(batch {batch_size}) on {'CUDA' if torch.cuda.is_initialized() else 'CPU'}\n")
+                 f"(batch {batch_size}) on {'CUDA' if _device.initialized() else 'CPU'}\n")
     started = time.perf_counter()
     losses = []
     for step in range(steps):

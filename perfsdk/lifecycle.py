@@ -29,7 +29,7 @@ def _on_change(old: Config, new: Config) -> None:
     if SPANS is None:
         if new.exporters:
             raise errors.MissingDependencyError(
-                "opentelemetry-sdk", "otlp", f"exporter={','.join(new.exporters)}")
+                "opentelemetry-sdk", "otlp", f"exporter={_config._show(new.exporters)}")
         return
     fields = ("exporters", "output_dir", "service_name")
     if any(getattr(old, f) != getattr(new, f) for f in fields):

@@ -10,6 +10,7 @@ and builds spans in the background.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import threading
 import time
@@ -77,6 +78,8 @@ class RegionSpec:
     asynchronous: bool
     nvtx: markers.NvtxMarker = dataclasses.field(compare=False, repr=False)
     index: int = dataclasses.field(default=-1, compare=False, repr=False)
+    calls: itertools.count[int] = dataclasses.field(
+        default_factory=itertools.count, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "index", _record.register(self))
@@ -148,9 +151,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     """
 
     __slots__ = (
-        "_attributes", "_nvtx", "_range_id", "_rf", "_token", "device_ms", "end_event", "error",
-        "events", "parent_id", "resolved", "span_id", "spec", "start_event", "t0", "t1",
-        "thread_id", "trace_id",
+        "_attributes", "_nvtx", "_range_id", "_rf", "_timed", "_token", "device_ms",
+        "end_event", "entered", "error", "events", "parent_id", "resolved", "span_id", "spec",
+        "start_event", "t0", "t1", "thread_id", "trace_id",
     )
     trace_id: int
     span_id: int
@@ -166,14 +169,14 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.device_ms: float | None = None
         self.error: BaseException | None = None
         self.resolved = False
+        self.entered = False
         self.t0 = 0
         self.t1 = 0
         self._rf: Any = None
 
     # -- live half: on the calling thread -------------------------------------------------
     def enter(self) -> Region:
-        if not PIPELINE.started:
-            PIPELINE.start()
+        self.entered = True
         spec = self.spec
         dom = spec.nvtx.domain if _state.nvtx else None
         self._nvtx = dom  # exit closes exactly what enter opened, whatever configure() did since
@@ -182,6 +185,11 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                 self._range_id = dom.start_range(spec.nvtx.attributes)
             else:
                 dom.push_range(spec.nvtx.attributes)
+        self._timed = timed = _state.timing
+        if not timed:  # NVTX-only mode (PERFSDK_TIMING=0)
+            return self
+        if not PIPELINE.started:
+            PIPELINE.start()
         if _profiler_enabled():
             rf = _record_function(spec.name)
             rf.__enter__()
@@ -204,6 +212,14 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         return self
 
     def exit(self, error: BaseException | None = None) -> None:
+        if not self._timed:
+            dom = self._nvtx
+            if dom is not None:
+                if self.spec.asynchronous:
+                    dom.end_range(self._range_id)
+                else:
+                    dom.pop_range()
+            return
         t1 = _perf_ns()
         start = self.start_event
         end = None

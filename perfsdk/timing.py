@@ -100,7 +100,9 @@ class timed_region:
     def _enter(self, spec: RegionSpec) -> Region:
         region = Region(spec, dict(self._attributes) if self._attributes else None)
         if _state.enabled:
-            region.enter()
+            n = _state.sample_every
+            if n == 1 or not next(spec.calls) % n:
+                region.enter()
         self._active.append(region)
         return region
 
@@ -117,7 +119,7 @@ class timed_region:
             active.remove(region)
         except ValueError:  # disabled at entry (never made current): any inert one will do
             region = active.pop()
-        if region.t0:
+        if region.entered:
             region.exit(exc)
 
     async def __aenter__(self) -> Region:

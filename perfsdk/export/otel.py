@@ -262,8 +262,10 @@ def _otlp_exporter(export_timeout: float = 5.0) -> SpanExporter:
     return exporter
 
 
-def make_exporter(name: str, config: Config) -> SpanExporter:
-    """The OpenTelemetry exporter for one ``PERFSDK_EXPORTER`` name, wrapped in a guard."""
+def make_exporter(name: Any, config: Config) -> SpanExporter:
+    """The exporter for one ``PERFSDK_EXPORTER`` name (or a user's SpanExporter), guarded."""
+    if not isinstance(name, str):
+        return GuardedExporter(name, type(name).__name__)
     if name == "otlp":
         return GuardedExporter(_otlp_exporter(config.export_timeout_s), "otlp")
     if name == "console":

@@ -593,3 +593,56 @@ def test_switching_nvtx_off_or_on_inside_a_region_stays_balanced(
     ]
     start_end_ranges(events)
     assert not raised, raised
+
+
+def test_timing_off_leaves_only_balanced_nvtx_ranges(nvtx_lib: Path, tmp_path: Path) -> None:
+    """PERFSDK_TIMING=0: every kind of region still reaches NVTX, balanced, and nothing else
+    is recorded (no region reaches the pipeline, so no summary row and no span)."""
+    events = _run(nvtx_lib, tmp_path, """
+        import asyncio
+        import perfsdk
+        from perfsdk.pipeline import PIPELINE
+
+        @perfsdk.profiled("t.outer")
+        def outer():
+            with perfsdk.timed_region("t.block"):
+                return inner()
+
+        @perfsdk.profiled("t.inner")
+        def inner():
+            return 7
+
+        @perfsdk.profiled("t.gen")
+        def gen():
+            yield 1
+            yield 2
+
+        @perfsdk.profiled("t.boom")
+        def boom():
+            raise KeyError("x")
+
+        @perfsdk.profiled("t.co")
+        async def co():
+            await asyncio.sleep(0)
+            return 3
+
+        assert outer() == 7
+        assert list(gen()) == [1, 2]
+        try:
+            boom()
+        except KeyError:
+            pass
+        assert asyncio.run(co()) == 3
+        perfsdk.flush()
+        assert len(perfsdk.summary(show=False)) == 0, perfsdk.summary(show=False)
+        assert not PIPELINE.started
+        """, env={"PERFSDK_TIMING": "0"})
+    rs = ranges(events)
+    assert [(r["message"], r["path"]) for r in rs if r["message"] != "t.gen"] == [
+        ("t.outer", ("t.outer",)),
+        ("t.block", ("t.outer", "t.block")),
+        ("t.inner", ("t.outer", "t.block", "t.inner")),
+        ("t.boom", ("t.boom",)),
+    ]
+    assert sum(r["message"] == "t.gen" for r in rs) == 3  # one per resumption
+    assert [r["message"] for r in start_end_ranges(events)] == ["t.co"]
