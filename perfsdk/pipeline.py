@@ -59,6 +59,18 @@ class Pipeline:
     def submit(self, record: Any) -> None:
         self._queue.append(record)
 
+    def poke(self) -> None:
+        """At a region's exit on the GPU: if the oldest region still waiting for the GPU is done,
+        wake the background thread now instead of at its next interval. One ``query()``."""
+        waiting = self._waiting
+        if waiting:
+            try:
+                done = waiting[0][END].query()
+            except Exception:  # the list changed under us, or CUDA trouble: the poller copes
+                return
+            if done:
+                self._wake.set()
+
     # -- background ------------------------------------------------------------------------
     def start(self) -> None:
         """Start the background thread; run once per process, at the first region's enter,

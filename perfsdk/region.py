@@ -245,8 +245,10 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                     dom.end_range(self._range_id)
                 else:
                     dom.pop_range()
-            if end is not None and spec.sync:
-                PIPELINE.resolve_region(self, wait=True)
+            if end is not None:
+                if spec.sync:
+                    PIPELINE.resolve_region(self, wait=True)
+                PIPELINE.poke()
             # A plain tuple (see perfsdk.record); the Region rides along only with GPU events.
             _submit((spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
                      self.thread_id, error, self._attributes, self.events, start, end,

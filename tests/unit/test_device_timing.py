@@ -304,3 +304,23 @@ def test_what_perfsdk_calls_exists_on_the_fake(protocol, fake):
         wanted = [n for n, _ in _params(value)]
         have = [n for n, _ in _params(implemented)]
         assert have[:len(wanted)] == wanted, (fake.__name__, name)
+
+
+def test_a_later_region_exit_wakes_the_poller_for_a_finished_one(fake_cuda, captured,
+                                                                 monkeypatch):
+    """Regions resolve at later region exits, not only at the poller's interval."""
+    monkeypatch.setattr(PIPELINE, "interval", 3600.0)
+    PIPELINE.wake()  # the thread now sleeps an hour between rounds unless woken...
+    time.sleep(0.1)  # ...once it has run the round this wake-up started
+    with timed_region("first"):
+        fake_cuda.launch(3.0)
+    PIPELINE.drain(wait=False)  # "first" now waits for the GPU
+    assert pending() == 1
+    fake_cuda.advance(3.0)
+    time.sleep(0.05)
+    assert pending() == 1  # nobody looked yet
+    with timed_region("second"):
+        pass  # its exit queries the oldest waiting region and wakes the thread
+    assert wait_until(lambda: [r.name for r in captured.regions][:1] == ["first"], 2.0)
+    assert captured.named("first")[0].device_ms == 3.0
+    assert fake_cuda.sync_calls == []
