@@ -26,7 +26,7 @@ __all__ = ["Profiler", "profiled"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = torch.compiler.is_dynamo_compiling  # 18 ns; dynamo folds it to True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,20 +190,19 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
 
 def _sync(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
           counter: itertools.count[int]) -> Any:
-    marker = spec.nvtx
+    domain, attributes = spec.nvtx.domain, spec.nvtx.attributes
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _state.enabled or _is_compiling():
             return fn(*args, **kwargs)
         if not _state.timing:  # NVTX-only: push, call, pop; nothing else
-            dom = marker.domain if _state.nvtx else None
-            if dom is None:
+            if domain is None or not _state.nvtx:
                 return fn(*args, **kwargs)
-            dom.push_range(marker.attributes)
+            domain.push_range(attributes)
             try:
                 return fn(*args, **kwargs)
             finally:
-                dom.pop_range()
+                domain.pop_range()
         n = every or _state.sample_every
         if n != 1 and next(counter) % n:
             return fn(*args, **kwargs)

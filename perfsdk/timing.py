@@ -21,7 +21,7 @@ __all__ = ["timed_region"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = torch.compiler.is_dynamo_compiling  # 18 ns; dynamo folds it to True
 
 
 @functools.lru_cache(maxsize=4096)
