@@ -19,7 +19,7 @@ import torch
 from typing_extensions import ParamSpec
 
 from perfsdk.config import state as _state
-from perfsdk.region import Region, RegionSpec, validate_attributes
+from perfsdk.region import Region, RegionSpec, validate_attributes, validate_options
 
 __all__ = ["Profiler", "profiled"]
 
@@ -55,18 +55,10 @@ class Profiler:
                 f"profiled: every={self.every!r}; accepted values are None or an integer >= 1"
             )
         validate_attributes(self.attributes, "profiled")
-        # Validate the rest now, at decoration time, with the same rules the spec uses.
-        if self.color is not None or self.category is not None or self.payload is not None:
-            RegionSpec.create(
-                self.name or "x", domain=self.domain, color=self.color, category=self.category,
-                payload=self.payload, sync=self.sync, where="profiled",
-            )
-        if not isinstance(self.domain, str) or not self.domain:
-            raise ValueError(
-                f"profiled: domain={self.domain!r}; accepted values are non-empty strings"
-            )
-        if not isinstance(self.sync, bool):
-            raise ValueError(f"profiled: sync={self.sync!r}; accepted values are True or False")
+        # The rest now, at decoration time, with the rules the spec uses.
+        validate_options(self.name or "profiled", domain=self.domain, color=self.color,
+                         category=self.category, payload=self.payload, sync=self.sync,
+                         where="profiled")
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         return cast("Callable[P, R]", _wrap(fn, self))

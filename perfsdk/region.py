@@ -99,23 +99,8 @@ class RegionSpec:
         asynchronous: bool = False,
         where: str = "profiled",
     ) -> RegionSpec:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{where}: name={name!r}; accepted values are non-empty strings")
-        if not isinstance(domain, str) or not domain:
-            raise ValueError(f"{where}: domain={domain!r}; accepted values are non-empty strings")
-        if category is not None and (not isinstance(category, str) or not category):
-            raise ValueError(
-                f"{where}: category={category!r}; accepted values are None or a non-empty string"
-            )
-        if payload is not None and (isinstance(payload, bool) or not isinstance(payload, int)
-                                    or not -(2**63) <= payload < 2**63):
-            raise ValueError(
-                f"{where}: payload={payload!r}; accepted values are None or a signed 64-bit "
-                "integer"
-            )
-        if not isinstance(sync, bool):
-            raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")
-        argb = _parse_color(color, name, where)
+        argb = validate_options(name, domain=domain, color=color, category=category,
+                                payload=payload, sync=sync, where=where)
         attrs = dict(code or {})
         attrs.update(validate_attributes(attributes, where))
         if category:
@@ -133,6 +118,31 @@ class RegionSpec:
             asynchronous=asynchronous,
             nvtx=markers.NvtxMarker(domain, name, argb, category, payload),
         )
+
+
+def validate_options(
+    name: str, *, domain: str, color: str | int | None, category: str | None,
+    payload: int | None, sync: bool, where: str,
+) -> int:
+    """Check a region's declared options; return the ARGB color. Raises ValueError naming the
+    bad argument and the values it accepts."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: name={name!r}; accepted values are non-empty strings")
+    if not isinstance(domain, str) or not domain:
+        raise ValueError(f"{where}: domain={domain!r}; accepted values are non-empty strings")
+    if category is not None and (not isinstance(category, str) or not category):
+        raise ValueError(
+            f"{where}: category={category!r}; accepted values are None or a non-empty string"
+        )
+    if payload is not None and (isinstance(payload, bool) or not isinstance(payload, int)
+                                or not -(2**63) <= payload < 2**63):
+        raise ValueError(
+            f"{where}: payload={payload!r}; accepted values are None or a signed 64-bit "
+            "integer"
+        )
+    if not isinstance(sync, bool):
+        raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")
+    return _parse_color(color, name, where)
 
 
 def _parse_color(color: str | int | None, name: str, where: str) -> int:

@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec
 from perfsdk.config import state as _state
 from perfsdk.context import current_span as _current_span
 from perfsdk.decorator import Profiler
-from perfsdk.region import Region, RegionSpec, validate_attributes
+from perfsdk.region import Region, RegionSpec, validate_attributes, validate_options
 
 __all__ = ["timed_region"]
 
@@ -87,9 +87,9 @@ class timed_region:
                      frame.f_lineno)
         try:
             self._spec = _spec(*self._key)
-        except TypeError:  # an unhashable argument: let the spec name it
-            RegionSpec.create(name, domain=domain, color=color, category=category,
-                              payload=payload, sync=sync, where="timed_region")
+        except TypeError:  # an unhashable argument: let the validation name it
+            validate_options(name, domain=domain, color=color, category=category,
+                             payload=payload, sync=sync, where="timed_region")
             raise
 
     def __enter__(self) -> Region:
