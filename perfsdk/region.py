@@ -294,6 +294,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
 
     def result(self) -> RegionResult:
         """Wait for this region's device time (only this region's end event) and return it."""
+        if not (self.entered and self._timed):
+            raise RuntimeError(f"region {self.spec.name!r} was not recorded (perfsdk disabled, "
+                               "PERFSDK_TIMING=0, or this call was sampled out); no result")
         if not self.t1:
             raise RuntimeError(f"region {self.spec.name!r} has not exited yet; call result() "
                                "after its 'with' block")
@@ -320,6 +323,10 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         return not self.t1
 
     def set_attribute(self, key: str, value: Any) -> None:
+        """Add an attribute to the region's span while it runs (ignored once it has ended, as
+        OpenTelemetry ignores attributes set on an ended span)."""
+        if self.t1:
+            return
         if self._attributes is None:
             self._attributes = {}
         self._attributes[key] = value

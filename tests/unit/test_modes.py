@@ -99,3 +99,29 @@ def test_exporter_instance_receives_region_spans(tmp_path):
                           timeout=120, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "diag owned" in proc.stdout
+
+
+@pytest.mark.parametrize("setting", [{"enabled": False}, {"timing": False}, {"sample_every": 2}])
+def test_result_of_an_unrecorded_block_says_why(setting):
+    configure(**setting)
+    handles = []
+    for _ in range(2):
+        with perfsdk.timed_region("m.unrecorded") as handle:
+            pass
+        handles.append(handle)
+    unrecorded = handles[1] if "sample_every" in setting else handles[0]
+    with pytest.raises(RuntimeError, match="was not recorded"):
+        unrecorded.result()
+
+
+def test_attributes_set_after_the_block_are_ignored():
+    from opentelemetry import trace
+
+    with capture() as cap:
+        with perfsdk.timed_region("m.attrs") as handle:
+            trace.get_current_span().set_attribute("inside", 1)
+        handle.set_attribute("after", 2)
+    [result] = cap.named("m.attrs")
+    assert result.attributes["inside"] == 1
+    assert "after" not in result.attributes
+    assert "after" not in handle.attributes
