@@ -221,14 +221,17 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.t0 = _perf_ns()
         return self
 
+    def _close_nvtx(self) -> None:
+        dom = self._nvtx
+        if dom is not None:
+            if self.spec.asynchronous:
+                dom.end_range(self._range_id)
+            else:
+                dom.pop_range()
+
     def exit(self, error: BaseException | None = None) -> None:
         if not self._timed:
-            dom = self._nvtx
-            if dom is not None:
-                if self.spec.asynchronous:
-                    dom.end_range(self._range_id)
-                else:
-                    dom.pop_range()
+            self._close_nvtx()
             return
         t1 = _perf_ns()
         start = self.start_event
@@ -248,13 +251,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             if rf is not None:
                 self._rf = None
                 rf.__exit__(None, None, None)
+            self._close_nvtx()
             spec = self.spec
-            dom = self._nvtx
-            if dom is not None:
-                if spec.asynchronous:
-                    dom.end_range(self._range_id)
-                else:
-                    dom.pop_range()
             if end is not None:
                 if spec.sync:
                     PIPELINE.resolve_region(self, wait=True)
