@@ -421,7 +421,10 @@ def test_runtime_switches_stop_ranges(main_events: list[Event]) -> None:
     assert "end.marker" in messages  # and back on afterwards
 
 
-def test_nvtx_env_off_emits_no_ranges(nvtx_lib: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("variable", ["PERFSDK_NVTX", "PERFSDK_ENABLED"])
+def test_switched_off_by_environment_emits_no_ranges(
+    nvtx_lib: Path, tmp_path: Path, variable: str
+) -> None:
     events = _run(nvtx_lib, tmp_path, """
         import asyncio
         import nvtx
@@ -441,32 +444,7 @@ def test_nvtx_env_off_emits_no_ranges(nvtx_lib: Path, tmp_path: Path) -> None:
         asyncio.run(a())
         nvtx.push_range("control")  # proves the recorder is attached in this process
         nvtx.pop_range()
-        """, env={"PERFSDK_NVTX": "0"})
-    marks = [e for e in events if e["kind"] in ("push", "start", "pop", "end")]
-    assert [(e["kind"], e.get("message")) for e in marks] == [("push", "control"), ("pop", None)]
-
-
-def test_disabled_perfsdk_emits_no_ranges(nvtx_lib: Path, tmp_path: Path) -> None:
-    events = _run(nvtx_lib, tmp_path, """
-        import asyncio
-        import nvtx
-        import perfsdk
-
-        @perfsdk.profiled("dis.func")
-        def f():
-            with perfsdk.timed_region("dis.block"):
-                pass
-
-        @perfsdk.profiled("dis.async")
-        async def a():
-            async with perfsdk.timed_region("dis.async_block"):
-                pass
-
-        f()
-        asyncio.run(a())
-        nvtx.push_range("control")
-        nvtx.pop_range()
-        """, env={"PERFSDK_ENABLED": "0"})
+        """, env={variable: "0"})
     marks = [e for e in events if e["kind"] in ("push", "start", "pop", "end")]
     assert [(e["kind"], e.get("message")) for e in marks] == [("push", "control"), ("pop", None)]
 
