@@ -39,6 +39,19 @@ class CudaBackend(Protocol):
     def current_stream(self, device: Any = None) -> Stream: ...
     def synchronize(self, device: Any = None) -> None: ...
     def get_device_name(self, device: Any = None) -> str: ...
+    def memory_allocated(self, device: Any = None) -> int: ...
+    def memory_reserved(self, device: Any = None) -> int: ...
+    def max_memory_allocated(self, device: Any = None) -> int: ...
+    def reset_peak_memory_stats(self, device: Any = None) -> None: ...
+    def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> Any: ...
+    def record_memory_history(self, enabled: str | None = "all", context: str | None = "all",
+                              stacks: str = "all", max_entries: int = 2**63 - 1,
+                              device: Any = None, clear_history: bool = False,
+                              compile_context: bool = False,
+                              global_record_annotations: bool = False,
+                              skip_actions: list[str] | None = None) -> None: ...
+    def dump_snapshot(self, filename: str = "dump_snapshot.pickle",
+                      augment_with_fx_traces: bool = False) -> None: ...
 
 
 class TorchCuda:
@@ -61,6 +74,38 @@ class TorchCuda:
 
     def get_device_name(self, device: Any = None) -> str:
         return torch.cuda.get_device_name(device)
+
+    # Allocator counters: host-side bookkeeping in the caching allocator, no device sync.
+    def memory_allocated(self, device: Any = None) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return torch.cuda.memory_reserved(device)
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> Any:
+        return torch.cuda.memory_snapshot(mempool_id, include_traces)  # type: ignore[no-untyped-call]
+
+    def record_memory_history(self, enabled: str | None = "all", context: str | None = "all",
+                              stacks: str = "all", max_entries: int = 2**63 - 1,
+                              device: Any = None, clear_history: bool = False,
+                              compile_context: bool = False,
+                              global_record_annotations: bool = False,
+                              skip_actions: list[str] | None = None) -> None:
+        torch.cuda.memory._record_memory_history(
+            enabled,  # type: ignore[arg-type]
+            context, stacks, max_entries, device, clear_history, compile_context,
+            global_record_annotations, skip_actions)
+
+    def dump_snapshot(self, filename: str = "dump_snapshot.pickle",
+                      augment_with_fx_traces: bool = False) -> None:
+        torch.cuda.memory._dump_snapshot(  # type: ignore[no-untyped-call]
+            filename, augment_with_fx_traces)
 
 
 _lock = threading.Lock()

@@ -27,10 +27,13 @@ __all__ = [
     "PERFSDK_ENABLED",
     "PERFSDK_EXPORTER",
     "PERFSDK_EXPORT_TIMEOUT",
+    "PERFSDK_MEMORY",
+    "PERFSDK_MEMORY_SNAPSHOTS",
     "PERFSDK_NVTX",
     "PERFSDK_OUTPUT_DIR",
     "PERFSDK_SAMPLE_EVERY",
     "PERFSDK_SERVICE_NAME",
+    "PERFSDK_TIMING",
     "Config",
     "configure",
     "get_config",
@@ -64,6 +67,17 @@ PERFSDK_TIMING: Final = "PERFSDK_TIMING"
 (the lightest mode, for ``nsys profile`` runs where Nsight does the timing): no host or device
 time, no span, no summary row, no torch.profiler annotation."""
 
+PERFSDK_MEMORY: Final = "PERFSDK_MEMORY"
+"""Record memory per region by default: ``1``/``0``. Default ``0``. On CUDA: allocated and
+reserved bytes and the region's true peak (perfsdk then resets torch's process-wide peak counter
+at each region's enter, so read peaks from perfsdk, not ``max_memory_allocated``); everywhere:
+growth of the process's peak RSS. About 1.5 us a region on CPU. ``memory=`` on a region wins."""
+
+PERFSDK_MEMORY_SNAPSHOTS: Final = "PERFSDK_MEMORY_SNAPSHOTS"
+"""Record CUDA allocation history so an out-of-memory error inside a region writes a snapshot
+(``<output_dir>/oom-<pid>-<n>.pickle``, for pytorch.org/memory_viz): ``1``/``0``. Default ``0``.
+Recording history slows every CUDA allocation; turn it on to chase an OOM."""
+
 PERFSDK_SERVICE_NAME: Final = "PERFSDK_SERVICE_NAME"
 """``service.name`` of perfsdk's OpenTelemetry resource. Default: ``OTEL_SERVICE_NAME`` if set,
 else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES`` if set there, else ``perfsdk``."""
@@ -90,6 +104,8 @@ class Config:
     sample_every: int = 1
     nvtx: bool = True
     timing: bool = True
+    memory: bool = False
+    memory_snapshots: bool = False
     service_name: str = "perfsdk"
     export_timeout_s: float = 5.0
 
@@ -106,6 +122,9 @@ class Config:
             sample_every=_env(env, PERFSDK_SAMPLE_EVERY, _parse_every, default.sample_every),
             nvtx=_env(env, PERFSDK_NVTX, _parse_bool, default.nvtx),
             timing=_env(env, PERFSDK_TIMING, _parse_bool, default.timing),
+            memory=_env(env, PERFSDK_MEMORY, _parse_bool, default.memory),
+            memory_snapshots=_env(env, PERFSDK_MEMORY_SNAPSHOTS, _parse_bool,
+                                  default.memory_snapshots),
             service_name=_env(env, PERFSDK_SERVICE_NAME, _parse_name, _otel_service_name(env)),
             export_timeout_s=_env(
                 env, PERFSDK_EXPORT_TIMEOUT, _parse_timeout, default.export_timeout_s
@@ -211,13 +230,14 @@ def _parse_timeout(raw: str | float) -> float:
 class _HotState:
     """The few settings read on every call, as plain attributes (one attribute load each)."""
 
-    __slots__ = ("enabled", "nvtx", "sample_every", "timing")
+    __slots__ = ("enabled", "memory", "nvtx", "sample_every", "timing")
 
     def __init__(self, config: Config) -> None:
         self.enabled = config.enabled
         self.nvtx = config.nvtx
         self.sample_every = config.sample_every
         self.timing = config.timing
+        self.memory = config.memory
 
 
 _lock = threading.Lock()
@@ -240,6 +260,8 @@ def configure(
     sample_every: int = _UNSET,
     nvtx: bool = _UNSET,
     timing: bool = _UNSET,
+    memory: bool = _UNSET,
+    memory_snapshots: bool = _UNSET,
     service_name: str = _UNSET,
     export_timeout_s: float = _UNSET,
 ) -> Config:
@@ -253,6 +275,8 @@ def configure(
         sample_every: record every N-th call of each region (N >= 1).
         nvtx: emit NVTX ranges.
         timing: measure regions; False leaves only their NVTX ranges (see PERFSDK_TIMING).
+        memory: record memory per region by default (see PERFSDK_MEMORY).
+        memory_snapshots: record CUDA allocation history for OOM snapshots.
         service_name: ``service.name`` of perfsdk's OpenTelemetry resource.
         export_timeout_s: the longest :func:`perfsdk.flush` / exit waits for exporters.
 
@@ -271,6 +295,10 @@ def configure(
         changes["nvtx"] = _arg_bool("nvtx", nvtx)
     if timing is not _UNSET:
         changes["timing"] = _arg_bool("timing", timing)
+    if memory is not _UNSET:
+        changes["memory"] = _arg_bool("memory", memory)
+    if memory_snapshots is not _UNSET:
+        changes["memory_snapshots"] = _arg_bool("memory_snapshots", memory_snapshots)
     parsers: tuple[tuple[str, str, Any, Callable[[Any], Any]], ...] = (
         ("exporter", "exporters", exporter, _parse_exporters),
         ("output_dir", "output_dir", output_dir, _parse_path),
@@ -306,7 +334,7 @@ def _replace(new: Config) -> Config:
             listener(_config, new)  # may raise (e.g. a missing exporter): nothing changed then
         _config = new
         state.enabled, state.nvtx, state.sample_every = new.enabled, new.nvtx, new.sample_every
-        state.timing = new.timing
+        state.timing, state.memory = new.timing, new.memory
     return new
 
 

@@ -41,6 +41,7 @@ class Profiler:
     attributes: Mapping[str, Any] | None = None
     every: int | None = None
     sync: bool = False
+    memory: bool | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
@@ -58,7 +59,7 @@ class Profiler:
         # The rest now, at decoration time, with the rules the spec uses.
         validate_options(self.name or "profiled", domain=self.domain, color=self.color,
                          category=self.category, payload=self.payload, sync=self.sync,
-                         where="profiled")
+                         memory=self.memory, where="profiled")
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         return cast("Callable[P, R]", _wrap(fn, self))
@@ -80,6 +81,7 @@ def profiled(
     attributes: Mapping[str, Any] | None = None,
     every: int | None = None,
     sync: bool = False,
+    memory: bool | None = None,
 ) -> Profiler: ...
 
 
@@ -100,6 +102,7 @@ def profiled(fn_or_name: Any = None, /, **options: Any) -> Any:
         attributes: constant span attributes.
         every: record every N-th call (default ``PERFSDK_SAMPLE_EVERY``, 1).
         sync: wait for the GPU at exit so ``device_ms`` is known at once (adds a sync).
+        memory: record memory for this region (None: the configured default, PERFSDK_MEMORY).
 
     Example:
         >>> import perfsdk
@@ -168,7 +171,8 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
     spec = RegionSpec.create(
         name, domain=opts.domain, color=opts.color, category=opts.category,
         payload=opts.payload, attributes=opts.attributes, code=_code_attributes(fn),
-        sync=opts.sync, asynchronous=kind in ("async", "asyncgen"), where="profiled",
+        sync=opts.sync, asynchronous=kind in ("async", "asyncgen"), memory=opts.memory,
+        where="profiled",
     )
     maker = {"sync": _sync, "async": _async, "gen": _gen, "asyncgen": _asyncgen}[kind]
     wrapper = maker(fn, spec, opts.every, itertools.count())

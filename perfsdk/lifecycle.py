@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from perfsdk import config as _config
 from perfsdk import errors
+from perfsdk import memory as _memory
 from perfsdk.config import Config
 from perfsdk.export.summary import Summary, SummarySink
 from perfsdk.pipeline import PIPELINE
@@ -26,6 +27,8 @@ else:
 
 
 def _on_change(old: Config, new: Config) -> None:
+    if new.memory_snapshots != old.memory_snapshots:
+        _memory.want_snapshots(new.memory_snapshots)
     if SPANS is None:
         if new.exporters:
             raise errors.MissingDependencyError(
@@ -42,6 +45,8 @@ def _on_change(old: Config, new: Config) -> None:
 
 
 _config.on_change(_on_change)
+if _config.get_config().memory_snapshots:
+    _memory.want_snapshots(True)
 
 
 def flush(timeout: float | None = None) -> None:

@@ -18,13 +18,14 @@ from types import MappingProxyType
 from typing import Any
 
 from perfsdk import clocks
+from perfsdk.memory import memory_attributes
 
 __all__ = ["SPECS", "RegionResult", "attributes", "register", "to_result"]
 
 # Field indices of a record tuple.
-SPEC, TRACE, SPAN, PARENT, T0, T1, THREAD, ERROR, ATTRS, EVENTS, START, END, REGION, DEVICE_MS = (
-    range(14)
-)
+(SPEC, TRACE, SPAN, PARENT, T0, T1, THREAD, ERROR, ATTRS, EVENTS, MEMORY, START, END, REGION,
+ DEVICE_MS) = range(15)
+# MEMORY: None, or (allocated_delta, peak, reserved, rss_delta, rss_peak) from perfsdk.memory.
 
 Record = tuple[Any, ...]
 
@@ -72,6 +73,8 @@ class RegionResult:
     span_id: int
     parent_span_id: int
     thread_id: int
+    memory: Mapping[str, int] | None = None
+    """``perfsdk.memory.*`` attribute name to bytes, when the region tracked memory."""
 
 
 def to_result(record: Record) -> RegionResult:
@@ -87,4 +90,6 @@ def to_result(record: Record) -> RegionResult:
         span_id=record[SPAN],
         parent_span_id=record[PARENT],
         thread_id=record[THREAD],
+        memory=None if record[MEMORY] is None else MappingProxyType(
+            memory_attributes(record[MEMORY])),
     )

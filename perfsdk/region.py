@@ -22,6 +22,7 @@ import torch
 
 from perfsdk import _device, clocks, markers
 from perfsdk import context as _ctx
+from perfsdk import memory as _memory
 from perfsdk import record as _record
 from perfsdk.config import state as _state
 from perfsdk.pipeline import PIPELINE
@@ -80,6 +81,7 @@ class RegionSpec:
     index: int = dataclasses.field(default=-1, compare=False, repr=False)
     calls: itertools.count[int] = dataclasses.field(
         default_factory=itertools.count, compare=False, repr=False)
+    memory: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "index", _record.register(self))
@@ -97,10 +99,11 @@ class RegionSpec:
         code: Mapping[str, Any] | None = None,
         sync: bool = False,
         asynchronous: bool = False,
+        memory: bool | None = None,
         where: str = "profiled",
     ) -> RegionSpec:
         argb = validate_options(name, domain=domain, color=color, category=category,
-                                payload=payload, sync=sync, where=where)
+                                payload=payload, sync=sync, where=where, memory=memory)
         attrs = dict(code or {})
         attrs.update(validate_attributes(attributes, where))
         if category:
@@ -117,12 +120,13 @@ class RegionSpec:
             sync=sync,
             asynchronous=asynchronous,
             nvtx=markers.NvtxMarker(domain, name, argb, category, payload),
+            memory=memory,
         )
 
 
 def validate_options(
     name: str, *, domain: str, color: str | int | None, category: str | None,
-    payload: int | None, sync: bool, where: str,
+    payload: int | None, sync: bool, where: str, memory: bool | None = None,
 ) -> int:
     """Check a region's declared options; return the ARGB color. Raises ValueError naming the
     bad argument and the values it accepts."""
@@ -142,6 +146,9 @@ def validate_options(
         )
     if not isinstance(sync, bool):
         raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")
+    if memory is not None and not isinstance(memory, bool):
+        raise ValueError(f"{where}: memory={memory!r}; accepted values are None (the "
+                         "configured default), True or False")
     return _parse_color(color, name, where)
 
 
@@ -161,9 +168,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     """
 
     __slots__ = (
-        "_attributes", "_nvtx", "_range_id", "_rf", "_timed", "_token", "device_ms",
-        "end_event", "entered", "error", "events", "parent_id", "resolved", "span_id", "spec",
-        "start_event", "t0", "t1", "thread_id", "trace_id",
+        "_attributes", "_mem", "_nvtx", "_range_id", "_rf", "_timed", "_token", "device_ms",
+        "end_event", "entered", "error", "events", "memory", "parent_id", "resolved", "span_id",
+        "spec", "start_event", "t0", "t1", "thread_id", "trace_id",
     )
     trace_id: int
     span_id: int
@@ -183,6 +190,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.t0 = 0
         self.t1 = 0
         self._rf: Any = None
+        self._mem: Any = None
+        self.memory: tuple[Any, ...] | None = None
 
     # -- live half: on the calling thread -------------------------------------------------
     def enter(self) -> Region:
@@ -214,6 +223,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.span_id = _getrandbits(64) or 1
         self.thread_id = _get_ident()
         self._token = _attach(self)
+        memory = spec.memory
+        if memory or (memory is None and _state.memory):
+            self._mem = _memory.TRACKER.enter()
         if _device._is_initialized():
             event = _event_pool(_device.get_backend()).get()
             event.record()
@@ -243,6 +255,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.resolved = end is None
         self.t1 = t1
         self.error = error
+        self.memory = memory = None if self._mem is None else _memory.TRACKER.exit(self._mem)
+        if error is not None and isinstance(error, torch.OutOfMemoryError):
+            self._on_oom(error, memory)
         try:
             _detach(self._token)
         finally:
@@ -259,8 +274,16 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                 PIPELINE.poke()
             # A plain tuple (see perfsdk.record); the Region rides along only with GPU events.
             _submit((spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
-                     self.thread_id, error, self._attributes, self.events, start, end,
+                     self.thread_id, error, self._attributes, self.events, memory, start, end,
                      None if end is None else self, None))
+
+    def _on_oom(self, error: BaseException, memory: Any) -> None:
+        """OOM forensics: the allocator's state at the failure onto the span (never raises)."""
+        attrs = _memory.oom_attributes(memory)
+        if attrs:
+            if self._attributes is None:
+                self._attributes = {}
+            self._attributes.update(attrs)
 
     def __enter__(self) -> Region:
         return self.enter()
@@ -311,6 +334,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             span_id=self.span_id,
             parent_span_id=self.parent_id,
             thread_id=self.thread_id,
+            memory=None if self.memory is None else MappingProxyType(
+                _memory.memory_attributes(self.memory)),
         )
 
     # -- the OpenTelemetry Span interface (so user code can annotate the current region) ----

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -153,6 +154,11 @@ class FakeCuda:
         self.events_created = 0
         self.records = 0
         self.queries = 0
+        # the caching allocator's counters (bytes)
+        self.allocated = 0
+        self.reserved = 0
+        self.peak = 0
+        self.history: list[dict[str, Any]] | None = None
 
     # the torch.cuda subset
     def is_initialized(self) -> bool:
@@ -173,7 +179,64 @@ class FakeCuda:
     def get_device_name(self, device: Any = None) -> str:
         return "Fake GPU"
 
+    def memory_allocated(self, device: Any = None) -> int:
+        return self.allocated
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return self.reserved
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self.peak = self.allocated
+
+    def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> Any:
+        free = self.reserved - self.allocated
+        blocks = [{"size": self.allocated, "requested_size": self.allocated,
+                   "state": "active_allocated"}]
+        if free:
+            blocks.append({"size": free, "requested_size": 0, "state": "inactive"})
+        return [{"device": 0, "address": 0, "total_size": self.reserved,
+                 "allocated_size": self.allocated, "active_size": self.allocated,
+                 "requested_size": self.allocated, "stream": 0, "segment_type": "large",
+                 "segment_pool_id": (0, 0), "is_expandable": False, "blocks": blocks}]
+
+    def record_memory_history(self, enabled: str | None = "all", context: str | None = "all",
+                              stacks: str = "all", max_entries: int = 2**63 - 1,
+                              device: Any = None, clear_history: bool = False,
+                              compile_context: bool = False,
+                              global_record_annotations: bool = False,
+                              skip_actions: list[str] | None = None) -> None:
+        self.history = [] if enabled else None
+
+    def dump_snapshot(self, filename: str = "dump_snapshot.pickle",
+                      augment_with_fx_traces: bool = False) -> None:
+        """Writes what ``torch.cuda.memory._dump_snapshot`` writes: the pickle
+        pytorch.org/memory_viz reads (segments and per-device allocation traces)."""
+        snapshot = {"segments": self.memory_snapshot(), "device_traces": [self.history or []],
+                    "allocator_settings": {}}
+        with open(filename, "wb") as f:
+            pickle.dump(snapshot, f)
+
     # the test's controls
+    def alloc(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` through the fake caching allocator."""
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+        segment = 2 << 20
+        self.reserved = max(self.reserved, -(-self.allocated // segment) * segment)
+        if self.history is not None:
+            self.history.append({"action": "alloc", "addr": 0, "size": nbytes, "stream": 0,
+                                 "frames": []})
+
+    def free(self, nbytes: int) -> None:
+        """Free ``nbytes`` (reserved memory stays cached, as in torch)."""
+        self.allocated -= nbytes
+        if self.history is not None:
+            self.history.append({"action": "free_completed", "addr": 0, "size": nbytes,
+                                 "stream": 0, "frames": []})
+
     def launch(self, ms: float) -> None:
         """Queue ``ms`` of GPU work on the current stream."""
         self.queued_ms = max(self.queued_ms, self.gpu_ms) + ms

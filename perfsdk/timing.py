@@ -26,12 +26,12 @@ _is_compiling = torch.compiler.is_dynamo_compiling  # 18 ns; dynamo folds it to 
 
 @functools.lru_cache(maxsize=4096)
 def _spec(name: str, domain: str, color: str | int | None, category: str | None,
-          payload: int | None, sync: bool, function: str, filepath: str,
+          payload: int | None, sync: bool, memory: bool | None, function: str, filepath: str,
           lineno: int, asynchronous: bool = False) -> RegionSpec:
     return RegionSpec.create(
         name, domain=domain, color=color, category=category, payload=payload, sync=sync,
         code={"code.function": function, "code.filepath": filepath, "code.lineno": lineno},
-        asynchronous=asynchronous, where="timed_region",
+        asynchronous=asynchronous, memory=memory, where="timed_region",
     )
 
 
@@ -43,8 +43,8 @@ class timed_region:
     holds the attributes and ``r.result()`` waits for this one region only. Also works as
     ``async with`` and as a decorator (``@timed_region("load")``).
 
-    Keyword arguments other than ``domain``, ``color``, ``category``, ``payload`` and ``sync``
-    become span attributes; pass ``attributes={...}`` for attributes with those names.
+    Keyword arguments other than ``domain``, ``color``, ``category``, ``payload``, ``sync`` and
+    ``memory`` become span attributes; pass ``attributes={...}`` for attributes with those names.
 
     Inside ``torch.compile``d code the block runs uninstrumented, so it causes no graph break,
     and ``as`` gives None there.
@@ -69,10 +69,11 @@ class timed_region:
         category: str | None = None,
         payload: int | None = None,
         sync: bool = False,
+        memory: bool | None = None,
         attributes: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> None:
-        self._args = (name, domain, color, category, payload, sync)
+        self._args = (name, domain, color, category, payload, sync, memory)
         self._active: list[Region] = []
         if _is_compiling():  # inside torch.compile'd code: step aside (no graph break)
             self._attributes = None
@@ -83,13 +84,13 @@ class timed_region:
         frame = sys._getframe(1)
         code = frame.f_code
         function = getattr(code, "co_qualname", code.co_name)
-        self._key = (name, domain, color, category, payload, sync, function, code.co_filename,
-                     frame.f_lineno)
+        self._key = (name, domain, color, category, payload, sync, memory, function,
+                     code.co_filename, frame.f_lineno)
         try:
             self._spec = _spec(*self._key)
         except TypeError:  # an unhashable argument: let the validation name it
             validate_options(name, domain=domain, color=color, category=category,
-                             payload=payload, sync=sync, where="timed_region")
+                             payload=payload, sync=sync, memory=memory, where="timed_region")
             raise
 
     def __enter__(self) -> Region:
@@ -133,19 +134,18 @@ class timed_region:
         self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        name, domain, color, category, payload, sync = self._args
+        name, domain, color, category, payload, sync, memory = self._args
         return Profiler(name, domain=domain, color=color, category=category, payload=payload,
-                        attributes=self._attributes, sync=sync)(fn)
+                        attributes=self._attributes, sync=sync, memory=memory)(fn)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        name, domain, color, category, payload, sync = self._args
-        return (_rebuild, (name, domain, color, category, payload, sync, self._attributes))
+        return (_rebuild, (*self._args, self._attributes))
 
     def __repr__(self) -> str:
         return f"timed_region({self._args[0]!r})"
 
 
 def _rebuild(name: str, domain: str, color: Any, category: Any, payload: Any, sync: bool,
-             attributes: Mapping[str, Any] | None) -> timed_region:
+             memory: bool | None, attributes: Mapping[str, Any] | None) -> timed_region:
     return timed_region(name, domain=domain, color=color, category=category, payload=payload,
-                        sync=sync, attributes=attributes)
+                        sync=sync, memory=memory, attributes=attributes)

@@ -21,10 +21,12 @@ from perfsdk import _device, clocks
 from perfsdk import record as _record
 from perfsdk._version import __version__
 from perfsdk.config import Config
+from perfsdk.memory import memory_attributes
 from perfsdk.record import (
     DEVICE_MS,
     ERROR,
     EVENTS,
+    MEMORY,
     PARENT,
     SPAN,
     SPEC,
@@ -70,6 +72,9 @@ def region_attributes(rec: Record) -> dict[str, Any]:
     if device_ms is not None:
         attrs["perfsdk.device_ms"] = device_ms
     attrs["thread.id"] = rec[THREAD]
+    memory = rec[MEMORY]
+    if memory is not None:
+        attrs.update(memory_attributes(memory))
     return attrs
 
 

@@ -254,7 +254,8 @@ def test_every_variable_is_a_documented_constant():
     names = [n for n in config.__all__ if n.startswith("PERFSDK_")]
     assert sorted(names) == sorted([
         "PERFSDK_ENABLED", "PERFSDK_EXPORTER", "PERFSDK_OUTPUT_DIR", "PERFSDK_SAMPLE_EVERY",
-        "PERFSDK_NVTX", "PERFSDK_SERVICE_NAME", "PERFSDK_EXPORT_TIMEOUT",
+        "PERFSDK_NVTX", "PERFSDK_SERVICE_NAME", "PERFSDK_EXPORT_TIMEOUT", "PERFSDK_TIMING",
+        "PERFSDK_MEMORY", "PERFSDK_MEMORY_SNAPSHOTS",
     ])
     for name in names:
         assert getattr(config, name) == name

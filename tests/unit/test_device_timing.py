@@ -262,6 +262,13 @@ CONTRACT = {
     (FakeCuda, "current_stream"): torch.cuda.current_stream,
     (FakeCuda, "synchronize"): torch.cuda.synchronize,
     (FakeCuda, "get_device_name"): torch.cuda.get_device_name,
+    (FakeCuda, "memory_allocated"): torch.cuda.memory_allocated,
+    (FakeCuda, "memory_reserved"): torch.cuda.memory_reserved,
+    (FakeCuda, "max_memory_allocated"): torch.cuda.max_memory_allocated,
+    (FakeCuda, "reset_peak_memory_stats"): torch.cuda.reset_peak_memory_stats,
+    (FakeCuda, "memory_snapshot"): torch.cuda.memory_snapshot,
+    (FakeCuda, "record_memory_history"): torch.cuda.memory._record_memory_history,
+    (FakeCuda, "dump_snapshot"): torch.cuda.memory._dump_snapshot,
     (FakeEvent, "record"): torch.cuda.Event.record,
     (FakeEvent, "query"): torch.cuda.Event.query,
     (FakeEvent, "elapsed_time"): torch.cuda.Event.elapsed_time,
@@ -270,7 +277,7 @@ CONTRACT = {
     (FakeStream, "synchronize"): torch.cuda.Stream.synchronize,
     (FakeStream, "query"): torch.cuda.Stream.query,
 }
-TEST_CONTROLS = {"launch", "advance", "complete_all"}
+TEST_CONTROLS = {"launch", "advance", "complete_all", "alloc", "free"}
 
 
 @pytest.mark.parametrize(("fake", "real"), list(CONTRACT.items()),

@@ -1,0 +1,225 @@
+"""Memory per region: true nested peaks on the fake allocator, RSS growth for real, OOM
+forensics with a memory_viz snapshot."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import perfsdk
+from perfsdk import memory
+from perfsdk.config import Config, configure
+from perfsdk.testing import capture
+
+PEAK = "perfsdk.memory.peak_bytes"
+DELTA = "perfsdk.memory.allocated_delta_bytes"
+RESERVED = "perfsdk.memory.reserved_bytes"
+MB = 1 << 20
+
+
+def _mem(cap, name):
+    [region] = cap.named(name)
+    assert region.memory is not None, name
+    return region.memory
+
+
+def test_nested_and_sibling_peaks_are_each_true(fake_cuda):
+    fake_cuda.alloc(100)
+    with capture() as cap, perfsdk.timed_region("outer", memory=True):
+        fake_cuda.alloc(1_000)
+        with perfsdk.timed_region("inner", memory=True):
+            fake_cuda.alloc(5_000)
+            fake_cuda.free(5_000)
+        with perfsdk.timed_region("sibling", memory=True):
+            fake_cuda.alloc(300)
+            fake_cuda.free(300)
+        with perfsdk.timed_region("after", memory=True):
+            fake_cuda.alloc(50)
+        fake_cuda.free(1_050)
+    assert _mem(cap, "inner")[PEAK] == 6_100
+    assert _mem(cap, "inner")[DELTA] == 0
+    assert _mem(cap, "sibling")[PEAK] == 1_400  # not polluted by the inner region's 6,100
+    assert _mem(cap, "after")[PEAK] == 1_150
+    assert _mem(cap, "after")[DELTA] == 50
+    assert _mem(cap, "outer")[PEAK] == 6_100  # never lower than any inner region's
+    assert _mem(cap, "outer")[DELTA] == 0
+    assert _mem(cap, "outer")[RESERVED] == fake_cuda.reserved == 2 * MB
+
+
+def test_outer_peak_after_the_inner_region_counts_too(fake_cuda):
+    with capture() as cap, perfsdk.timed_region("outer", memory=True):
+        with perfsdk.timed_region("inner", memory=True):
+            fake_cuda.alloc(10)
+        fake_cuda.alloc(90_000)  # after inner's exit, before outer's
+        fake_cuda.free(90_010)
+    assert _mem(cap, "inner")[PEAK] == 10
+    assert _mem(cap, "outer")[PEAK] == 90_010
+
+
+def test_peak_when_the_body_raises(fake_cuda):
+    def failing():
+        with perfsdk.timed_region("failing", memory=True):
+            fake_cuda.alloc(7_000)
+            raise ValueError("boom")
+
+    with capture() as cap, perfsdk.timed_region("outer", memory=True):
+        with pytest.raises(ValueError, match="boom"):
+            failing()
+        fake_cuda.free(7_000)
+    assert _mem(cap, "failing")[PEAK] == 7_000
+    assert _mem(cap, "failing")[DELTA] == 7_000
+    assert _mem(cap, "outer")[PEAK] == 7_000
+    assert memory.TRACKER._open == []  # nothing left open
+
+
+def test_threads_see_the_process_wide_peak_and_keep_nesting(fake_cuda):
+    lock = threading.Lock()
+    barrier = threading.Barrier(4)
+
+    def work(size):
+        with perfsdk.timed_region("t.outer", memory=True, size=size):
+            barrier.wait()
+            with perfsdk.timed_region("t.inner", memory=True, size=size):
+                with lock:
+                    fake_cuda.alloc(size)
+                barrier.wait()
+                with lock:
+                    fake_cuda.free(size)
+
+    with capture() as cap:
+        threads = [threading.Thread(target=work, args=(s,)) for s in (1_000, 2_000, 3_000, 4_000)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    inner = {r.attributes["size"]: r.memory[PEAK] for r in cap.named("t.inner")}
+    outer = {r.attributes["size"]: r.memory[PEAK] for r in cap.named("t.outer")}
+    # all four allocations were live together (the barrier), and the allocator is shared
+    assert set(outer.values()) == {10_000}
+    assert all(outer[s] >= inner[s] >= s for s in inner)
+    assert memory.TRACKER._open == []
+
+
+def test_memory_is_off_by_default_and_follows_configure(fake_cuda):
+    assert Config.from_env({}).memory is False
+    assert Config.from_env({"PERFSDK_MEMORY": "1"}).memory is True
+
+    @perfsdk.profiled("m.fn")
+    def fn():
+        fake_cuda.alloc(10)
+
+    @perfsdk.profiled("m.never", memory=False)
+    def never():
+        pass
+
+    with capture() as cap:
+        fn()
+        configure(memory=True)
+        fn()
+        never()
+    first, second = cap.named("m.fn")
+    assert first.memory is None
+    assert "perfsdk.memory.peak_bytes" not in first.attributes
+    assert second.memory[DELTA] == 10
+    assert cap.named("m.never")[0].memory is None
+    span = [s for s in cap.spans if s.name == "m.fn"][1]
+    assert span.attributes[DELTA] == 10
+    assert span.attributes[PEAK] == 20
+
+
+def test_bad_memory_argument_is_named():
+    with pytest.raises(ValueError, match=r"memory='yes'.*None .*True or False"):
+        perfsdk.profiled("x", memory="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"configure\(memory=1\)"):
+        configure(memory=1)  # type: ignore[arg-type]
+
+
+def test_without_cuda_only_rss_is_reported():
+    with capture() as cap, perfsdk.timed_region("cpu", memory=True):
+        pass
+    mem = _mem(cap, "cpu")
+    assert set(mem) == {"perfsdk.memory.rss_delta_bytes", "perfsdk.memory.rss_peak_bytes"}
+    assert mem["perfsdk.memory.rss_peak_bytes"] > 10 * MB
+    assert mem["perfsdk.memory.rss_delta_bytes"] >= 0
+
+
+def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path):
+    script = textwrap.dedent("""
+        import perfsdk
+        from perfsdk.testing import capture
+        with capture() as cap:
+            with perfsdk.timed_region("grow", memory=True) as r:
+                block = bytearray(300 * 1024 * 1024)  # zero-filled: every page touched
+            with perfsdk.timed_region("quiet", memory=True):
+                pass
+        grow, quiet = cap.named("grow")[0].memory, cap.named("quiet")[0].memory
+        print(grow["perfsdk.memory.rss_delta_bytes"], quiet["perfsdk.memory.rss_delta_bytes"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    grow, quiet = map(int, proc.stdout.split())
+    assert grow >= 250 * MB
+    assert quiet == 0
+
+
+def test_oom_forensics_and_snapshot(fake_cuda, tmp_path):
+    configure(output_dir=tmp_path, memory_snapshots=True)
+    assert fake_cuda.history == []  # allocation history is being recorded
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    fake_cuda.alloc(3 * MB)
+    fake_cuda.free(2 * MB)  # 1 MB in use of 4 MB reserved: 3 MB cached and free
+    def oom():
+        with perfsdk.timed_region("oom", memory=True):
+            fake_cuda.alloc(512)
+            raise error
+
+    with capture() as cap, pytest.raises(torch.OutOfMemoryError) as raised:
+        oom()
+    assert raised.value is error  # propagates unchanged
+    [region] = cap.named("oom")
+    attrs = region.attributes
+    assert attrs["perfsdk.oom.allocated_bytes"] == MB + 512
+    assert attrs["perfsdk.oom.reserved_bytes"] == 4 * MB
+    assert attrs["perfsdk.oom.largest_free_block_bytes"] == 3 * MB - 512
+    assert attrs["perfsdk.oom.peak_bytes"] == MB + 512
+    path = attrs["perfsdk.memory.snapshot_path"]
+    assert path.startswith(str(tmp_path.resolve()))
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    assert set(snapshot) >= {"segments", "device_traces"}
+    assert [e["action"] for e in snapshot["device_traces"][0]][-1] == "alloc"
+    span = cap.span("oom")
+    assert span.status.status_code.name == "ERROR"
+    assert span.attributes["perfsdk.memory.snapshot_path"] == path
+    configure(memory_snapshots=False)
+    assert fake_cuda.history is None
+
+
+def test_oom_without_snapshots_still_records_the_allocator(fake_cuda, tmp_path):
+    configure(output_dir=tmp_path)
+    def oom():
+        with perfsdk.timed_region("oom2"):
+            fake_cuda.alloc(2 * MB)
+            raise torch.OutOfMemoryError("out of memory")
+
+    with capture() as cap, pytest.raises(torch.OutOfMemoryError):
+        oom()
+    attrs = cap.named("oom2")[0].attributes
+    assert attrs["perfsdk.oom.allocated_bytes"] == 2 * MB
+    assert "perfsdk.memory.snapshot_path" not in attrs
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_largest_free_block_reads_real_snapshot_shapes():
+    segments = [{"blocks": [{"size": 10, "state": "inactive"},
+                            {"size": 30, "state": "active_allocated"}]},
+                {"blocks": [{"size": 25, "state": "inactive"}]}]
+    assert memory.largest_free_block(segments) == 25
+    assert memory.largest_free_block([]) == 0
