@@ -48,6 +48,7 @@ FULL_ADDED_MAX_NS = 3000.0
 FULL_VS_OTEL_MIN = 5.0
 WHOLE_VS_OTEL_MIN = 3.0
 NVTX_ONLY_VS_PUSHPOP_MAX = 1.5
+MEMORY_ADDED_MAX_NS = 1000.0  # issue 3
 DISABLED_RUNTIME_VS_WRAPS_MAX = 1.2
 BUSY_RATIO = 1.15  # wall / CPU time above this in single-threaded variants: the machine was busy
 
@@ -300,9 +301,15 @@ def measure(args: argparse.Namespace) -> int:
         variants.insert(6, Variant(
             "full_paused", "@profiled full, pipeline thread paused", full,
             setup=use_exporter(perfsdk_drop), pause=pause_pipeline, teardown=resume_pipeline))
+        variants.insert(7, Variant(
+            "memory_paused", "@profiled full + memory=True, pipeline paused",
+            perfsdk.profiled("bench.memory", memory=True)(body()),
+            setup=use_exporter(perfsdk_drop), pause=pause_pipeline, teardown=resume_pipeline))
         notes.append("full_paused: the pipeline's background thread is held asleep during the "
                      "timed loop (PIPELINE.interval set to an hour); the regions are drained "
                      "after the loop, outside the timing")
+        notes.append("memory_paused: full_paused plus memory=True (on this CPU machine: the "
+                     "process's peak RSS from getrusage at enter and exit)")
     else:
         notes.append("full_paused: skipped (perfsdk.pipeline.PIPELINE has no interval/wake)")
 
@@ -439,6 +446,10 @@ def report(args: argparse.Namespace, variants: list[Variant], whole: dict[str, d
                 also={"ratio_of_per_call_totals": med["nvtx_only"] / med["nvtx_pushpop"],
                       "ratio_vs_nvtx_annotate_added": _div(added["nvtx_only"],
                                                            added["nvtx_annotate"])}),
+        *([_target("memory_added", f"memory tracking adds <= {MEMORY_ADDED_MAX_NS:.0f} ns per "
+                   "region on CPU (memory_paused - full_paused, medians)",
+                   med["memory_paused"] - med["full_paused"], "<=", MEMORY_ADDED_MAX_NS)]
+          if "memory_paused" in med else []),
         {"name": "disabled_decoration_identity", "definition": "disabled at decoration "
          "returns the function itself (profiled(fn) is fn)", "value": returns_itself,
          "threshold": True, "op": "is", "passed": returns_itself},
@@ -558,7 +569,7 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
         flag = "" if w["complete"] else "  INCOMPLETE"
         print(f"{w['label']:<44}{ns['median']:>9.0f}{ns['p10']:>9.0f}{ns['p90']:>9.0f}"
               f"{w['added_ns']:>9.0f}  {spans}{flag}")
-    print("\ntargets (issue 2)")
+    print("\ntargets (issues 2 and 3)")
     for t in result["targets"]:
         value = t["value"]
         shown = value if isinstance(value, bool) else (

@@ -19,10 +19,10 @@ SCRIPT = REPO_ROOT / "benchmarks" / "overhead.py"
 
 VARIANTS = {
     "bare", "wraps", "disabled_decoration", "disabled_runtime", "nvtx_only", "full",
-    "full_paused", "nvtx_annotate", "nvtx_pushpop", "record_function", "otel",
+    "full_paused", "memory_paused", "nvtx_annotate", "nvtx_pushpop", "record_function", "otel",
 }
 TARGETS = {
-    "full_added", "full_vs_otel", "whole_vs_otel", "nvtx_only_vs_pushpop",
+    "full_added", "full_vs_otel", "whole_vs_otel", "nvtx_only_vs_pushpop", "memory_added",
     "disabled_decoration_identity", "disabled_runtime_vs_wraps",
 }
 
@@ -61,9 +61,10 @@ def test_every_variant_has_positive_timings(quick_run):
 def test_variants_do_the_work_they_claim(quick_run):
     """Spans reach the dropping exporters exactly for the span-producing variants."""
     variants = quick_run[0]["variants"]
-    for name in ("full", "full_paused", "otel"):
+    producing = {"full", "full_paused", "memory_paused", "otel"}
+    for name in producing:
         assert variants[name]["spans_per_call"] == 1.0, name
-    for name in VARIANTS - {"full", "full_paused", "otel"}:
+    for name in VARIANTS - producing:
         assert variants[name]["spans_per_call"] == 0.0, name
 
 
