@@ -58,28 +58,27 @@ class NVMLError(Exception):
         return self.text
 
 
-class NVMLError_Uninitialized(NVMLError):  # noqa: N801 - pynvml's names
+class NVMLError_Uninitialized(NVMLError):
     value, text = 1, "Uninitialized"
 
 
-class NVMLError_NotSupported(NVMLError):  # noqa: N801
+class NVMLError_NotSupported(NVMLError):
     value, text = 3, "Not Supported"
 
 
-class NVMLError_NotFound(NVMLError):  # noqa: N801
+class NVMLError_NotFound(NVMLError):
     value, text = 6, "Not Found"
 
 
-class NVMLError_DriverNotLoaded(NVMLError):  # noqa: N801
+class NVMLError_DriverNotLoaded(NVMLError):
     value, text = 9, "Driver Not Loaded"
 
 
-class NVMLError_Unknown(NVMLError):  # noqa: N801
+class NVMLError_Unknown(NVMLError):
     value, text = 999, "Unknown Error"
 
 
-def _zero(t: float) -> float:
-    return 0.0
+_Error = NVMLError  # for annotations inside FakeNvml, whose NVMLError is a class attribute
 
 
 @dataclass
@@ -139,7 +138,7 @@ class FakeNvml:
     NVMLError_Unknown = NVMLError_Unknown
 
     def __init__(self, gpus: int | Sequence[FakeGpu] = 1, *, step_ns: int | None = None,
-                 init_error: bool | type[NVMLError] = False) -> None:
+                 init_error: bool | type[_Error] = False) -> None:
         self.gpus = ([FakeGpu(f"GPU-fake-{i}") for i in range(gpus)] if isinstance(gpus, int)
                      else list(gpus))
         self.step_ns = step_ns
@@ -152,7 +151,7 @@ class FakeNvml:
         """While set to an unset Event, reading calls wait on it (a stalled driver)."""
         self.blocked = threading.Event()
         """Set once a call is waiting on :attr:`block`."""
-        self._failures: list[tuple[str, int | None, NVMLError, list[int]]] = []
+        self._failures: list[tuple[str, int | None, _Error, list[int]]] = []
         self._lock = threading.Lock()
 
     # -- control -------------------------------------------------------------------------------
@@ -170,7 +169,7 @@ class FakeNvml:
         return [g.uuid for g in self.gpus]
 
     def fail(self, name: str, *, times: int = 1, device: int | None = None,
-             error: NVMLError | None = None) -> None:
+             error: _Error | None = None) -> None:
         """Make the next ``times`` calls of ``name`` (on ``device``, an NVML index, or any)
         raise ``error`` (default ``NVMLError_Unknown``)."""
         self._failures.append((name, device, error or NVMLError_Unknown(), [times]))
@@ -206,29 +205,31 @@ class FakeNvml:
             return self.now_ns / 1e9
 
     # -- the pynvml surface ----------------------------------------------------------------------
-    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+    def nvmlInit(self) -> None:
         self._enter("nvmlInit")
+        if isinstance(self.init_error, type):
+            raise self.init_error()
         if self.init_error:
-            raise (NVMLError_DriverNotLoaded() if self.init_error is True else self.init_error())
+            raise NVMLError_DriverNotLoaded()
         with self._lock:
             self.init_count += 1  # reference counted, like NVML
 
-    def nvmlShutdown(self) -> None:  # noqa: N802
+    def nvmlShutdown(self) -> None:
         self._enter("nvmlShutdown")
         with self._lock:
             self.init_count -= 1
 
-    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+    def nvmlDeviceGetCount(self) -> int:
         self._enter("nvmlDeviceGetCount")
         return len(self.gpus)
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         self._enter("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.gpus):
             raise NVMLError(2)
         return SimpleNamespace(index=index)
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:  # noqa: N802
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
         self._enter("nvmlDeviceGetHandleByUUID")
         text = uuid.decode() if isinstance(uuid, bytes) else uuid
         for i, gpu in enumerate(self.gpus):
@@ -236,42 +237,42 @@ class FakeNvml:
                 return SimpleNamespace(index=i)
         raise NVMLError_NotFound()
 
-    def nvmlDeviceGetUUID(self, handle: Any) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
         gpu = self._enter("nvmlDeviceGetUUID", handle)
         assert gpu is not None
         return gpu.uuid
 
-    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:  # noqa: N802
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         gpu = self._enter("nvmlDeviceGetUtilizationRates", handle)
         assert gpu is not None
         return SimpleNamespace(gpu=round(gpu.utilization(self._t())), memory=0)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:  # noqa: N802
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         gpu = self._enter("nvmlDeviceGetMemoryInfo", handle)
         assert gpu is not None
         used = round(gpu.memory_used(self._t()))
         return SimpleNamespace(total=gpu.memory_total, free=gpu.memory_total - used, used=used)
 
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:  # noqa: N802
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
         gpu = self._enter("nvmlDeviceGetPowerUsage", handle)
         assert gpu is not None
         return round(gpu.power_w(self._t()) * 1000)
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:  # noqa: N802
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
         gpu = self._enter("nvmlDeviceGetTotalEnergyConsumption", handle)
         assert gpu is not None
         if not gpu.energy_supported:
             raise NVMLError_NotSupported()
         return gpu.energy_mj(self._t())
 
-    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:  # noqa: N802
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
         gpu = self._enter("nvmlDeviceGetTemperature", handle)
         assert gpu is not None
         if sensor != self.NVML_TEMPERATURE_GPU:
             raise NVMLError_NotSupported()
         return round(gpu.temperature_c(self._t()))
 
-    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:  # noqa: N802
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:
         gpu = self._enter("nvmlDeviceGetClockInfo", handle)
         assert gpu is not None
         if type != self.NVML_CLOCK_SM:

@@ -1,19 +1,17 @@
 """GPU readings from NVML, sampled in the background and summarized per region.
 
 One daemon thread (``perfsdk-nvml``) reads utilization, memory used, power, the energy counter,
-temperature and SM clock of the GPUs this process uses every ``interval_s`` seconds and keeps
-them in a bounded ring. NVML calls take a driver lock and can stall, so they happen on that
-thread only, never on the caller's: :meth:`GpuSampler.window` and :meth:`GpuSampler.latest`
-only read the ring. Torch device indices map to NVML devices by UUID, so
-``CUDA_VISIBLE_DEVICES`` reordering is honoured. perfsdk never initializes CUDA: until the
-application has, the sampler has no devices and asks again at every round.
-
-No NVML library, no driver or an NVML error: one :class:`~perfsdk.errors.PerfSDKWarning`, no
-readings, nothing breaks.
+temperature and SM clock of this process's GPUs every ``interval_s`` into a bounded ring. NVML
+calls take a driver lock and can stall, so only that thread makes them; :meth:`GpuSampler.window`
+and :meth:`GpuSampler.latest` only read the ring. Torch devices map to NVML devices by UUID
+(``CUDA_VISIBLE_DEVICES`` reordering is honoured). perfsdk never initializes CUDA: until the
+application has, there are no devices and each round asks again. No NVML library, no driver or
+an NVML error: one :class:`~perfsdk.errors.PerfSDKWarning`, no readings, nothing breaks.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -35,12 +33,8 @@ __all__ = ["GpuSampler", "SamplerStats"]
 
 logger = logging.getLogger(__name__)
 
-_READINGS = ("utilization", "memory", "power", "energy", "temperature", "sm_clock")
 
-
-class _Sample(NamedTuple):
-    """One round's readings for one device; ``None`` where the reading failed."""
-
+class _Sample(NamedTuple):  # one round, one device; None where the reading failed
     t_ns: int
     utilization: float | None  # ratio 0..1
     memory: float | None  # bytes used
@@ -54,27 +48,21 @@ class _Sample(NamedTuple):
 class SamplerStats:
     """What the sampler itself has cost so far (see :meth:`GpuSampler.overhead`)."""
 
-    cpu_s: float
-    """CPU time of the sampler thread (``time.thread_time`` inside it)."""
-    wall_s: float
-    """Wall time the sampler thread has been running."""
+    cpu_s: float  # CPU time of the sampler thread (time.thread_time inside it)
+    wall_s: float  # wall time it has been running
     rounds: int
-    errors: int
-    """NVML calls that failed (each skipped for its round)."""
+    errors: int  # NVML calls that failed (each skipped for its round)
 
     @property
-    def core_fraction(self) -> float:
-        """CPU time as a fraction of one core over the sampler's lifetime."""
+    def core_fraction(self) -> float:  # of one core, over the sampler's lifetime
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class _Device:
     def __init__(self, index: int, uuid: str, handle: Any, maxlen: int) -> None:
-        self.index = index
-        self.uuid = uuid
-        self.handle = handle
+        self.index, self.uuid, self.handle = index, uuid, handle
         self.samples: deque[_Sample] = deque(maxlen=maxlen)
-        self.unsupported: set[str] = set()
+        self.unsupported: set[str] = set()  # readings this GPU answered NotSupported to
         self.integrated_j: float | None = None  # energy from power, when the counter is absent
         self.last_power: tuple[int, float] | None = None
 
@@ -99,7 +87,7 @@ def torch_device_uuids() -> list[str]:
 _SAMPLERS: weakref.WeakSet[GpuSampler] = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
+def _after_fork_in_child() -> None:  # the child has no sampler thread: stopped, startable
     for sampler in list(_SAMPLERS):
         sampler._reset_after_fork()
 
@@ -113,59 +101,54 @@ class GpuSampler:
 
     Args:
         interval_s: seconds between rounds.
-        nvml: the NVML bindings (the ``pynvml`` module of nvidia-ml-py by default; tests pass
-            :class:`perfsdk._fake_nvml.FakeNvml`).
-        device_uuids: returns the UUIDs of this process's GPUs in torch device order; by
-            default read from torch once the application has initialized CUDA.
+        nvml: the NVML bindings: nvidia-ml-py's ``pynvml`` by default, or a test's
+            :class:`perfsdk._fake_nvml.FakeNvml`.
+        device_uuids: this process's GPU UUIDs in torch device order (default: from torch,
+            once the application has initialized CUDA).
         history_s: how much history the ring keeps.
-        clock: the timestamp source for samples, ``time.perf_counter_ns`` (the clock of region
-            records) unless a test drives time itself.
+        clock: timestamps of samples: ``time.perf_counter_ns``, the clock of region records.
 
     Example:
-        >>> sampler = GpuSampler(interval_s=0.1)
-        >>> if sampler.start():  # False, with one warning, where there is no NVML
-        ...     attrs = sampler.window(t0_ns, t1_ns)  # from a background thread, later
-        ...     sampler.stop()
+        >>> from perfsdk._fake_nvml import FakeNvml
+        >>> fake = FakeNvml(1, step_ns=10_000_000)  # one GPU drawing 100 W; rounds 10 ms apart
+        >>> sampler = GpuSampler(0.01, nvml=fake, device_uuids=fake.uuids, clock=fake.clock)
+        >>> sampler.start()  # False, with one warning, where there is no NVML
+        True
+        >>> while sampler.overhead().rounds < 5:
+        ...     time.sleep(0.01)
+        >>> sampler.stop()
+        True
+        >>> attrs = sampler.window(15_000_000, 35_000_000)  # a region's perf_counter_ns
+        >>> attrs["perfsdk.gpu.power_w"], round(attrs["perfsdk.gpu.energy_j"], 9)
+        (100.0, 2.0)
     """
 
     def __init__(self, interval_s: float = 0.1, *, nvml: Any = None,
-                 device_uuids: Callable[[], list[str]] | None = None,
-                 history_s: float = 600.0,
+                 device_uuids: Callable[[], list[str]] | None = None, history_s: float = 600.0,
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
         if not interval_s > 0:
             raise ValueError(f"GpuSampler: interval_s must be > 0 seconds, got {interval_s!r}")
         if not history_s >= interval_s:
-            raise ValueError(f"GpuSampler: history_s must be >= interval_s ({interval_s!r}), "
-                             f"got {history_s!r}")
-        self.interval_s = float(interval_s)
-        self.interval_ns = int(interval_s * 1e9)
-        self._nvml_arg = nvml
+            raise ValueError(f"GpuSampler: history_s must be >= interval_s, got {history_s!r}")
+        self.interval_s, self.interval_ns = float(interval_s), int(interval_s * 1e9)
+        self._nvml_arg, self._clock = nvml, clock
         self._device_uuids = device_uuids or torch_device_uuids
         self._maxlen = int(history_s / interval_s) + 2
-        self._clock = clock
         self._devices: list[_Device] = []
-        self._init_state()
+        self._started_ok = False  # samples to read: started once, successfully
+        self._reset_after_fork()
         _SAMPLERS.add(self)
 
-    def _init_state(self) -> None:
+    def _reset_after_fork(self) -> None:  # also in a forked child: the lock may be held there
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._running = False
-        self._started_ok = False
-        self._rounds = 0
-        self._errors = 0
-        self._cpu_s = 0.0
-        self._t_start = 0.0
-        self._t_last = 0.0
-        self._last_round_ns: int | None = None
-        self._last_round_mono = 0.0
-
-    def _reset_after_fork(self) -> None:
-        # The child has no sampler thread (and the parent's may have held the lock): stopped,
-        # startable again. The parent's samples stay readable; NVML is not shut down here.
         self._init_state()
-        self._started_ok = bool(self._devices)
+
+    def _init_state(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._stop, self._running = threading.Event(), False
+        self._rounds, self._errors, self._cpu_s = 0, 0, 0.0
+        self._t_start = self._t_last = self._last_round_mono = time.monotonic()
+        self._last_round_ns: int | None = None
 
     @property
     def running(self) -> bool:
@@ -190,11 +173,7 @@ class GpuSampler:
             return False
         with self._lock:
             self._devices = []
-        self._stop = threading.Event()
-        self._rounds = self._errors = 0
-        self._cpu_s = 0.0
-        self._last_round_ns = None
-        self._t_start = self._t_last = self._last_round_mono = time.monotonic()
+        self._init_state()
         self._running = self._started_ok = True
         self._thread = threading.Thread(target=self._run, args=(nvml, self._stop),
                                         name="perfsdk-nvml", daemon=True)
@@ -208,67 +187,63 @@ class GpuSampler:
         self._running = False
         self._stop.set()
         thread, self._thread = self._thread, None
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(timeout_s)
-        if thread.is_alive():
-            warn_once("nvml-stop-timeout", f"perfsdk: the NVML sampler did not stop within "
-                      f"{timeout_s:g} s (an NVML call is stalled); leaving it to end on its own.")
-            return False
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                warn_once("nvml-stop-timeout", f"perfsdk: the NVML sampler did not stop within "
+                          f"{timeout_s:g} s (an NVML call is stalled); it will end on its own.")
+                return False
         return True
 
     # -- the sampler thread ----------------------------------------------------------------
     def _run(self, nvml: Any, stop: threading.Event) -> None:
         cpu0 = time.thread_time()
         deadline = time.monotonic()
-        try:
-            while not stop.is_set():
-                try:
-                    self._round(nvml)
-                except Exception as exc:  # our own bug: report, keep sampling
-                    warn_once("nvml-sampler-error", f"perfsdk: NVML sampling round failed "
-                              f"({exc!r}); continuing.")
-                self._cpu_s = time.thread_time() - cpu0
-                now = self._t_last = time.monotonic()
-                deadline = max(deadline + self.interval_s, now)
-                stop.wait(deadline - now)
-        finally:
+        while not stop.is_set():
             try:
-                nvml.nvmlShutdown()
-            except Exception as exc:
-                logger.debug("nvmlShutdown failed: %r", exc)
+                self._round(nvml, stop)
+            except Exception as exc:  # our own bug: report, keep sampling
+                warn_once("nvml-sampler-error", f"perfsdk: NVML sampling failed ({exc!r}).")
+            self._cpu_s = time.thread_time() - cpu0
+            now = self._t_last = time.monotonic()
+            deadline = max(deadline + self.interval_s, now)  # behind: skip, don't burst
+            stop.wait(deadline - now)
+        try:  # NVML's init is reference counted: this undoes start()'s
+            nvml.nvmlShutdown()
+        except Exception as exc:
+            logger.debug("nvmlShutdown failed: %r", exc)
 
-    def _round(self, nvml: Any) -> None:
+    def _round(self, nvml: Any, stop: threading.Event) -> None:
         if not self._devices:
             devices = self._discover(nvml)
             with self._lock:
+                if stop.is_set():
+                    return
                 self._devices = devices
         t_ns = self._clock()
         for dev in self._devices:
             sample = self._read(nvml, dev, t_ns)
             with self._lock:
+                if stop.is_set():  # stopped (and maybe restarted) while NVML answered
+                    return
                 dev.samples.append(sample)
         self._rounds += 1
-        self._last_round_ns = t_ns
-        self._last_round_mono = time.monotonic()
+        self._last_round_ns, self._last_round_mono = t_ns, time.monotonic()
 
     def _discover(self, nvml: Any) -> list[_Device]:
         try:
             wanted = list(self._device_uuids())
         except Exception as exc:
-            warn_once("nvml-device-lookup", f"perfsdk: could not list this process's CUDA "
-                      f"devices ({exc!r}); no GPU readings yet.")
-            return []
-        if not wanted:
-            return []
+            warn_once("nvml-device-lookup", f"perfsdk: listing this process's CUDA devices "
+                      f"failed ({exc!r}); no GPU readings yet.")
+            wanted = []
         by_uuid: dict[str, tuple[str, Any]] = {}
         try:
-            for i in range(nvml.nvmlDeviceGetCount()):
+            for i in range(nvml.nvmlDeviceGetCount() if wanted else 0):
                 handle = nvml.nvmlDeviceGetHandleByIndex(i)
                 uuid = nvml.nvmlDeviceGetUUID(handle)
-                if isinstance(uuid, bytes):
-                    uuid = uuid.decode("ascii", "replace")
-                by_uuid[normalize_uuid(uuid)] = (str(uuid), handle)
+                uuid = uuid.decode("ascii", "replace") if isinstance(uuid, bytes) else str(uuid)
+                by_uuid[normalize_uuid(uuid)] = (uuid, handle)
         except nvml.NVMLError as exc:
             self._error("device-list", exc)
         devices = []
@@ -287,13 +262,11 @@ class GpuSampler:
     def _error(self, reading: str, exc: BaseException) -> None:
         self._errors += 1
         warn_once("nvml-reading-failed", f"perfsdk: an NVML reading failed ({reading}: "
-                  f"{type(exc).__name__}: {exc}); skipping it for that round.")
+                  f"{type(exc).__name__}: {exc}); skipped for that round.")
 
     def _call(self, nvml: Any, dev: _Device, reading: str, fn: Callable[[], Any]) -> Any:
-        if reading in dev.unsupported:
-            return None
         try:
-            return fn()
+            return None if reading in dev.unsupported else fn()
         except nvml.NVMLError_NotSupported:
             dev.unsupported.add(reading)  # a property of the GPU: don't ask again
             logger.info("NVML: %s is not supported on GPU %s", reading, dev.uuid)
@@ -302,35 +275,24 @@ class GpuSampler:
         return None
 
     def _read(self, nvml: Any, dev: _Device, t_ns: int) -> _Sample:
-        h = dev.handle
-        util = self._call(nvml, dev, "utilization",
-                          lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
-        mem = self._call(nvml, dev, "memory", lambda: float(nvml.nvmlDeviceGetMemoryInfo(h).used))
-        power = self._call(nvml, dev, "power", lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
-        energy = self._call(nvml, dev, "energy",
-                            lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0)
-        if "energy" in dev.unsupported:
-            energy = self._integrate(dev, t_ns, power)
-        elif energy is not None:
-            dev.integrated_j = energy  # a later fallback continues from the counter
-        temp = self._call(nvml, dev, "temperature",
-                          lambda: float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)))
-        clock = self._call(nvml, dev, "sm_clock",
-                           lambda: float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)))
+        n, h, call = nvml, dev.handle, self._call  # % -> ratio, mW -> W, mJ -> J
+        util = call(n, dev, "utilization", lambda: n.nvmlDeviceGetUtilizationRates(h).gpu / 100)
+        mem = call(n, dev, "memory", lambda: float(n.nvmlDeviceGetMemoryInfo(h).used))
+        power = call(n, dev, "power", lambda: n.nvmlDeviceGetPowerUsage(h) / 1e3)
+        energy = call(n, dev, "energy", lambda: n.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3)
+        if energy is not None:
+            dev.integrated_j = energy
+        elif "energy" in dev.unsupported and power is not None:  # no counter: trapezoids
+            if dev.last_power is not None and dev.integrated_j is not None:
+                t0, p0 = dev.last_power
+                dev.integrated_j += (p0 + power) / 2 * (t_ns - t0) / 1e9
+            dev.integrated_j = dev.integrated_j or 0.0  # a fallback goes on from the counter
+            dev.last_power = (t_ns, power)
+            energy = dev.integrated_j
+        sensor, sm = n.NVML_TEMPERATURE_GPU, n.NVML_CLOCK_SM
+        temp = call(n, dev, "temperature", lambda: n.nvmlDeviceGetTemperature(h, sensor))
+        clock = call(n, dev, "sm_clock", lambda: n.nvmlDeviceGetClockInfo(h, sm))
         return _Sample(t_ns, util, mem, power, energy, temp, clock)
-
-    @staticmethod
-    def _integrate(dev: _Device, t_ns: int, power: float | None) -> float | None:
-        """Energy counter from power (trapezoids between successive power readings)."""
-        if power is None:
-            return None
-        if dev.last_power is None or dev.integrated_j is None:
-            dev.integrated_j = dev.integrated_j or 0.0
-        else:
-            t0, p0 = dev.last_power
-            dev.integrated_j += (p0 + power) / 2 * (t_ns - t0) / 1e9
-        dev.last_power = (t_ns, power)
-        return dev.integrated_j
 
     # -- readers (any thread) ----------------------------------------------------------------
     def devices(self) -> dict[int, str]:
@@ -341,13 +303,9 @@ class GpuSampler:
     def ready(self, end_ns: int) -> bool:
         """Whether :meth:`window` ending at ``end_ns`` can be answered now: a round at or after
         ``end_ns`` was taken, or the sampler is stopped or stalled (then it never will be)."""
-        if not self._running:
-            return True
         last = self._last_round_ns
-        if last is not None and last >= end_ns:
-            return True
-        stalled_s = max(1.0, 5 * self.interval_s)
-        return time.monotonic() - self._last_round_mono > stalled_s
+        return (not self._running or (last is not None and last >= end_ns)
+                or time.monotonic() - self._last_round_mono > max(1.0, 5 * self.interval_s))
 
     def latest(self) -> dict[int, dict[str, float]]:
         """The newest reading per device: ``utilization`` (0..1), ``memory_used_bytes``,
@@ -355,16 +313,12 @@ class GpuSampler:
         reading is absent."""
         if not self._started_ok:
             return {}
-        out: dict[int, dict[str, float]] = {}
+        names = ("t_ns", "utilization", "memory_used_bytes", "power_w", "energy_j",
+                 "temperature_c", "sm_clock_mhz")
         with self._lock:
-            for dev in self._devices:
-                if dev.samples:
-                    s = dev.samples[-1]
-                    values = zip(("utilization", "memory_used_bytes", "power_w", "energy_j",
-                                  "temperature_c", "sm_clock_mhz"), s[1:], strict=True)
-                    out[dev.index] = {k: v for k, v in values if v is not None}
-                    out[dev.index]["t_ns"] = float(s.t_ns)
-        return out
+            newest = [(d.index, d.samples[-1]) for d in self._devices if d.samples]
+        return {i: {k: float(v) for k, v in zip(names, s, strict=True) if v is not None}
+                for i, s in newest}
 
     def overhead(self) -> SamplerStats:
         """The sampler thread's own CPU time and rounds so far."""
@@ -376,13 +330,11 @@ class GpuSampler:
         """Span attributes for a region that ran between two ``perf_counter_ns`` readings.
 
         Averages are time-weighted over ``[start_ns, end_ns]`` (samples joined by straight
-        lines, cut at the edges); energy is the counter's rise, interpolated to the edges;
-        maxima are over the samples inside the window. A window shorter than the interval, or
-        without a sample at or before its start and one at or after its end, gives only
-        ``perfsdk.gpu.samples`` and ``perfsdk.gpu.window_too_short``. While the sampler runs
-        and has not yet sampled past ``end_ns`` (see :meth:`ready`), the answer is
-        ``perfsdk.gpu.pending``. Never started, no NVML or no such device: ``{}``.
-        """
+        lines, cut at the edges); energy is the counter's rise interpolated to the edges; maxima
+        are over the samples inside. Shorter than the interval, or no sample at or before the
+        start and at or after the end: only ``perfsdk.gpu.samples`` and
+        ``perfsdk.gpu.window_too_short``. Not yet sampled past ``end_ns`` (see :meth:`ready`):
+        ``perfsdk.gpu.pending``. Never started, no NVML or no such device: ``{}``."""
         if not self._started_ok:
             return {}
         with self._lock:
@@ -403,67 +355,46 @@ class GpuSampler:
         if (end_ns - start_ns < self.interval_ns or used[0].t_ns > start_ns
                 or used[-1].t_ns < end_ns or len(used) < 2):
             return {"perfsdk.gpu.samples": inside, "perfsdk.gpu.window_too_short": True}
-        attrs: dict[str, Any] = {
-            "hw.id": dev.uuid, "hw.type": "gpu", "perfsdk.gpu.uuid": dev.uuid,
-            "perfsdk.gpu.index": dev.index, "perfsdk.gpu.samples": len(used),
-        }
-        averages = {"utilization": "hw.gpu.utilization", "power": "perfsdk.gpu.power_w",
-                    "sm_clock": "perfsdk.gpu.sm_clock_mhz"}
-        for field, key in averages.items():
-            avg = _average([(s.t_ns, getattr(s, field)) for s in used], start_ns, end_ns)
-            if avg is not None:
-                attrs[key] = avg
-        for field, key in (("memory", "hw.gpu.memory.usage"),
-                           ("temperature", "perfsdk.gpu.temperature_max_c")):
-            peak = _peak([(s.t_ns, getattr(s, field)) for s in used], start_ns, end_ns)
-            if peak is not None:
-                attrs[key] = int(peak) if field == "memory" else peak
-        energy = _delta([(s.t_ns, s.energy) for s in used], start_ns, end_ns)
-        if energy is not None:
-            attrs["perfsdk.gpu.energy_j"] = energy
+        attrs: dict[str, Any] = {"hw.id": dev.uuid, "hw.type": "gpu", "perfsdk.gpu.uuid": dev.uuid,
+                                 "perfsdk.gpu.index": dev.index, "perfsdk.gpu.samples": len(used)}
+        for field, key, kind in _ATTRIBUTES:
+            known = [(s.t_ns, v) for s in used if (v := getattr(s, field)) is not None]
+            value = _summary(known, start_ns, end_ns, kind)
+            if value is not None:
+                attrs[key] = int(value) if field == "memory" else value
+        if "perfsdk.gpu.energy_j" in attrs:
             attrs["perfsdk.gpu.energy_source"] = ("integrated_power" if "energy" in
                                                   dev.unsupported else "counter")
         return attrs
 
 
-def _points(series: list[tuple[int, float | None]], start: int, end: int,
-            ) -> list[tuple[int, float]] | None:
-    """The series cut to ``[start, end]``, with values interpolated at both edges; None unless
-    a reading exists at or before ``start`` and at or after ``end``."""
-    known = [(t, v) for t, v in series if v is not None]
+_ATTRIBUTES = (  # sample field, span attribute, how a window summarizes it
+    ("utilization", "hw.gpu.utilization", "average"),  # ratio 0..1, as OTel's semconv
+    ("memory", "hw.gpu.memory.usage", "max"),  # bytes
+    ("power", "perfsdk.gpu.power_w", "average"),
+    ("energy", "perfsdk.gpu.energy_j", "rise"),
+    ("temperature", "perfsdk.gpu.temperature_max_c", "max"),
+    ("sm_clock", "perfsdk.gpu.sm_clock_mhz", "average"),
+)
+
+
+def _summary(known: list[tuple[int, float]], start: int, end: int, kind: str) -> float | None:
+    """One reading over ``[start, end]``, from readings joined by straight lines; None unless
+    one was taken at or before ``start`` and one at or after ``end``."""
     if not known or known[0][0] > start or known[-1][0] < end:
         return None
+    if kind == "max":  # over the readings inside; none inside: the bracketing ones bound it
+        return max((v for t, v in known if start <= t <= end), default=max(v for _, v in known))
 
     def at(t: int) -> float:
-        for (t0, v0), (t1, v1) in zip(known, known[1:], strict=False):
+        for (t0, v0), (t1, v1) in itertools.pairwise(known):
             if t0 <= t <= t1:
                 return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-        return known[0][1]  # one reading exactly at both edges
+        return known[0][1]  # a single reading, exactly at both edges
 
-    return [(start, at(start)), *((t, v) for t, v in known if start < t < end), (end, at(end))]
-
-
-def _average(series: list[tuple[int, float | None]], start: int, end: int) -> float | None:
-    pts = _points(series, start, end)
-    if pts is None or end <= start:
-        return None
-    area = sum((v0 + v1) / 2 * (t1 - t0) for (t0, v0), (t1, v1) in zip(pts, pts[1:],
-                                                                          strict=False))
-    return area / (end - start)
-
-
-def _peak(series: list[tuple[int, float | None]], start: int, end: int) -> float | None:
-    inside = [v for t, v in series if v is not None and start <= t <= end]
-    if inside:
-        return max(inside)
-    pts = _points(series, start, end)  # no reading inside: the bracketing readings bound it
-    known = [v for _, v in series if v is not None]
-    return max(known) if pts is not None and known else None
-
-
-def _delta(series: list[tuple[int, float | None]], start: int, end: int) -> float | None:
-    pts = _points(series, start, end)
-    if pts is None:
-        return None
-    rise = pts[-1][1] - pts[0][1]
-    return rise if rise >= 0 else None  # a counter reset (driver reload): no number
+    pts = [(start, at(start)), *((t, v) for t, v in known if start < t < end), (end, at(end))]
+    if kind == "rise":
+        rise = pts[-1][1] - pts[0][1]
+        return rise if rise >= 0 else None  # the counter was reset (driver reload): no number
+    area = sum((v0 + v1) / 2 * (t1 - t0) for (t0, v0), (t1, v1) in itertools.pairwise(pts))
+    return area / (end - start) if end > start else None
