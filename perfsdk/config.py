@@ -27,6 +27,7 @@ __all__ = [
     "PERFSDK_ENABLED",
     "PERFSDK_EXPORTER",
     "PERFSDK_EXPORT_TIMEOUT",
+    "PERFSDK_GPU_SAMPLE_INTERVAL",
     "PERFSDK_MEMORY",
     "PERFSDK_MEMORY_SNAPSHOTS",
     "PERFSDK_NVTX",
@@ -78,6 +79,12 @@ PERFSDK_MEMORY_SNAPSHOTS: Final = "PERFSDK_MEMORY_SNAPSHOTS"
 (``<output_dir>/oom-<pid>-<n>.pickle``, for pytorch.org/memory_viz): ``1``/``0``. Default ``0``.
 Recording history slows every CUDA allocation; turn it on to chase an OOM."""
 
+PERFSDK_GPU_SAMPLE_INTERVAL: Final = "PERFSDK_GPU_SAMPLE_INTERVAL"
+"""Seconds between NVML readings of the GPUs this process uses (utilization, memory, power,
+energy, temperature, SM clock), a float >= 0; ``0`` turns GPU sampling off. Default ``0.1``.
+Sampling starts, on a background thread, once the application has initialized CUDA and
+``nvidia-ml-py`` can talk to a driver."""
+
 PERFSDK_SERVICE_NAME: Final = "PERFSDK_SERVICE_NAME"
 """``service.name`` of perfsdk's OpenTelemetry resource. Default: ``OTEL_SERVICE_NAME`` if set,
 else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES`` if set there, else ``perfsdk``."""
@@ -106,6 +113,7 @@ class Config:
     timing: bool = True
     memory: bool = False
     memory_snapshots: bool = False
+    gpu_sample_interval_s: float = 0.1
     service_name: str = "perfsdk"
     export_timeout_s: float = 5.0
 
@@ -125,6 +133,8 @@ class Config:
             memory=_env(env, PERFSDK_MEMORY, _parse_bool, default.memory),
             memory_snapshots=_env(env, PERFSDK_MEMORY_SNAPSHOTS, _parse_bool,
                                   default.memory_snapshots),
+            gpu_sample_interval_s=_env(env, PERFSDK_GPU_SAMPLE_INTERVAL, _parse_interval,
+                                       default.gpu_sample_interval_s),
             service_name=_env(env, PERFSDK_SERVICE_NAME, _parse_name, _otel_service_name(env)),
             export_timeout_s=_env(
                 env, PERFSDK_EXPORT_TIMEOUT, _parse_timeout, default.export_timeout_s
@@ -227,6 +237,16 @@ def _parse_timeout(raw: str | float) -> float:
     return value
 
 
+def _parse_interval(raw: str | float) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError("accepted values are numbers of seconds >= 0 (0 = off)") from None
+    if isinstance(raw, bool) or not value >= 0:
+        raise ValueError("accepted values are numbers of seconds >= 0 (0 = off)")
+    return value
+
+
 class _HotState:
     """The few settings read on every call, as plain attributes (one attribute load each)."""
 
@@ -262,6 +282,7 @@ def configure(
     timing: bool = _UNSET,
     memory: bool = _UNSET,
     memory_snapshots: bool = _UNSET,
+    gpu_sample_interval_s: float = _UNSET,
     service_name: str = _UNSET,
     export_timeout_s: float = _UNSET,
 ) -> Config:
@@ -277,6 +298,7 @@ def configure(
         timing: measure regions; False leaves only their NVTX ranges (see PERFSDK_TIMING).
         memory: record memory per region by default (see PERFSDK_MEMORY).
         memory_snapshots: record CUDA allocation history for OOM snapshots.
+        gpu_sample_interval_s: seconds between NVML readings; 0 turns GPU sampling off.
         service_name: ``service.name`` of perfsdk's OpenTelemetry resource.
         export_timeout_s: the longest :func:`perfsdk.flush` / exit waits for exporters.
 
@@ -305,6 +327,8 @@ def configure(
         ("sample_every", "sample_every", sample_every, _parse_every),
         ("service_name", "service_name", service_name, _parse_name),
         ("export_timeout_s", "export_timeout_s", export_timeout_s, _parse_timeout),
+        ("gpu_sample_interval_s", "gpu_sample_interval_s", gpu_sample_interval_s,
+         _parse_interval),
     )
     for arg, field, value, parse in parsers:
         if value is _UNSET:

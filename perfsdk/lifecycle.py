@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from perfsdk import config as _config
 from perfsdk import errors
+from perfsdk import gpu as _gpu
 from perfsdk import memory as _memory
 from perfsdk.config import Config
 from perfsdk.export.summary import Summary, SummarySink
@@ -82,6 +83,10 @@ def summary(*, show: bool = True, file: TextIO | None = None) -> Summary:
 def diagnostics() -> dict[str, Any]:
     """What perfsdk's own machinery did: warnings by kind, pending regions, spans exported."""
     info: dict[str, Any] = {"warnings": errors.counts(), "pending_regions": PIPELINE.pending}
+    sampler = _gpu.TELEMETRY.sampler
+    info["gpu_sampling"] = "off" if sampler is None else "on"
+    if sampler is not None:
+        info["gpu_sampler_core_fraction"] = sampler.overhead().core_fraction
     if SPANS is not None:
         info["span_mode"] = SPANS._mode or "undecided"
         info.update(SPANS.stats())

@@ -15,11 +15,12 @@ import multiprocessing.util
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from perfsdk import _device, clocks
 from perfsdk.errors import warn_once
-from perfsdk.record import END, REGION, START
+from perfsdk.record import END, REGION, START, T1
 
 __all__ = ["PIPELINE", "Pipeline", "Sink"]
 
@@ -40,6 +41,10 @@ class Pipeline:
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
         self.sinks: list[Sink] = []
+        self.gate: Callable[[int], bool] | None = None
+        """Holds back a record until ``gate(record end, perf_counter ns)`` is true."""
+        self.on_round: list[Callable[[], None]] = []
+        """Called on the pipeline thread before each round (e.g. to start the GPU sampler)."""
         self.started = False
         self._init_state()
         if hasattr(os, "register_at_fork"):
@@ -100,6 +105,12 @@ class Pipeline:
             self._wake.wait(self.interval)
             self._wake.clear()
             if not self._stopping:
+                for hook in self.on_round:
+                    try:
+                        hook()
+                    except Exception as exc:  # never break the program
+                        warn_once(f"round:{getattr(hook, '__name__', hook)}",
+                                  f"perfsdk: background task failed ({exc!r}).")
                 self.drain(wait=False)
 
     def wake(self) -> None:
@@ -126,8 +137,11 @@ class Pipeline:
             while queue:
                 batch.append(queue.popleft())
             ready: list[Any] = []
+            gate = self.gate
             for rec in batch:
-                if rec[END] is None:
+                if gate is not None and not wait and not gate(rec[T1]):
+                    self._waiting.append(rec)  # e.g. the GPU sampler has not passed its end yet
+                elif rec[END] is None:
                     ready.append(rec)
                 else:
                     resolved = self.resolve(rec, wait)

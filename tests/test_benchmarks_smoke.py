@@ -101,4 +101,4 @@ def test_context_is_recorded(quick_run):
     # Where the recorder library can be built, it must really be attached in the child.
     assert nvtx["loaded"] is (nvtx["error"] is None), nvtx
     assert "bare call" in stdout
-    assert "targets (issue 2)" in stdout
+    assert "targets (issues 2 and 3)" in stdout

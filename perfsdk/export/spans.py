@@ -18,6 +18,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from perfsdk import _device, clocks
+from perfsdk import gpu as _gpu
 from perfsdk import record as _record
 from perfsdk._version import __version__
 from perfsdk.config import Config
@@ -75,6 +76,9 @@ def region_attributes(rec: Record) -> dict[str, Any]:
     memory = rec[MEMORY]
     if memory is not None:
         attrs.update(memory_attributes(memory))
+    window = _gpu.TELEMETRY.window
+    if window is not None:
+        attrs.update(window(rec[T0], rec[T1]))
     return attrs
 
 

@@ -255,7 +255,7 @@ def test_every_variable_is_a_documented_constant():
     assert sorted(names) == sorted([
         "PERFSDK_ENABLED", "PERFSDK_EXPORTER", "PERFSDK_OUTPUT_DIR", "PERFSDK_SAMPLE_EVERY",
         "PERFSDK_NVTX", "PERFSDK_SERVICE_NAME", "PERFSDK_EXPORT_TIMEOUT", "PERFSDK_TIMING",
-        "PERFSDK_MEMORY", "PERFSDK_MEMORY_SNAPSHOTS",
+        "PERFSDK_MEMORY", "PERFSDK_MEMORY_SNAPSHOTS", "PERFSDK_GPU_SAMPLE_INTERVAL",
     ])
     for name in names:
         assert getattr(config, name) == name

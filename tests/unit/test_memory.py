@@ -166,7 +166,7 @@ def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     grow, quiet = map(int, proc.stdout.split())
     assert grow >= 250 * MB
-    assert quiet == 0
+    assert quiet < 16 * MB  # nothing of its own (other threads may nudge the peak)
 
 
 def test_oom_forensics_and_snapshot(fake_cuda, tmp_path):
