@@ -46,8 +46,9 @@ PERFSDK_ENABLED: Final = "PERFSDK_ENABLED"
 itself; at run time each call costs one flag test."""
 
 PERFSDK_EXPORTER: Final = "PERFSDK_EXPORTER"
-"""Where spans go: a comma list of ``otlp``, ``console``, ``file``, or ``none``. Default: ``otlp``
-when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, else
+"""Where spans and metrics go: a comma list of ``otlp``, ``console``, ``file``, or ``none``.
+Default: ``otlp`` when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its ``_TRACES_`` / ``_METRICS_``
+variant) is set, else
 ``none`` (the in-process summary still works). Ignored when the application installed its own
 OpenTelemetry TracerProvider: perfsdk then uses that provider and adds nothing of its own."""
 
@@ -96,7 +97,8 @@ at most for exporters, a float > 0. Default ``5``. An unreachable collector neve
 EXPORTERS: Final = ("otlp", "console", "file", "none")
 """The accepted values of :data:`PERFSDK_EXPORTER` and of ``configure(exporter=...)``."""
 
-_OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                       "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -183,8 +185,9 @@ def _parse_bool(raw: str) -> bool:
 
 
 def _is_exporter(item: Any) -> bool:
-    """An OpenTelemetry ``SpanExporter`` instance (anything with export and shutdown)."""
-    return callable(getattr(item, "export", None)) and callable(getattr(item, "shutdown", None))
+    """An OpenTelemetry exporter or metric reader instance (export or collect, and shutdown)."""
+    return (callable(getattr(item, "export", None)) or callable(getattr(item, "collect", None))
+            ) and callable(getattr(item, "shutdown", None))
 
 
 def _parse_exporters(raw: Any) -> tuple[Any, ...]:

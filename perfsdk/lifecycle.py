@@ -27,6 +27,15 @@ else:
     PIPELINE.sinks.append(SPANS)
 
 
+try:
+    from perfsdk.export.metrics import MetricsSink
+except ImportError:  # optional: pip install opentelemetry-sdk
+    METRICS: Any = None
+else:
+    METRICS = MetricsSink(_config.get_config(), gpu_readings=_gpu.TELEMETRY.latest)
+    PIPELINE.sinks.append(METRICS)
+
+
 def _on_change(old: Config, new: Config) -> None:
     if new.memory_snapshots != old.memory_snapshots:
         _memory.want_snapshots(new.memory_snapshots)
@@ -39,10 +48,14 @@ def _on_change(old: Config, new: Config) -> None:
     if any(getattr(old, f) != getattr(new, f) for f in fields):
         PIPELINE.drain(wait=False)  # regions so far go out under the old settings
         SPANS.configure(new, timeout=old.export_timeout_s)
+        if METRICS is not None:
+            METRICS.configure(new, timeout=old.export_timeout_s)
         if new.exporters:
             SPANS.validate()
         if PIPELINE.started:
             SPANS.prepare()
+            if METRICS is not None:
+                METRICS.prepare()
 
 
 _config.on_change(_on_change)
@@ -90,4 +103,6 @@ def diagnostics() -> dict[str, Any]:
     if SPANS is not None:
         info["span_mode"] = SPANS._mode or "undecided"
         info.update(SPANS.stats())
+    if METRICS is not None:
+        info.update(METRICS.stats())
     return info

@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind
 
@@ -152,6 +152,8 @@ class SpanSink:
 
     def _install_exporters(self) -> None:
         for name in self.config.exporters:
+            if not isinstance(name, (str, SpanExporter)):
+                continue  # a metric exporter or reader: perfsdk.export.metrics takes it
             try:
                 exporter = make_exporter(name, self.config)
             except Exception as exc:

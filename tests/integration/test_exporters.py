@@ -36,10 +36,11 @@ def run_nested(tmp_path: Path, exporter: str, **env: str) -> Run:
 
 
 def spans_file(out_dir: Path, pid: int) -> list[dict]:
-    """The file exporter's output: exactly ``spans-<pid>.jsonl``, one JSON object a line."""
+    """The file exporter's output: ``spans-<pid>.jsonl`` (one JSON span a line) beside the
+    metrics file ``metrics-<pid>.jsonl``, and nothing else."""
     files = sorted(p.name for p in out_dir.iterdir())
-    assert files == [f"spans-{pid}.jsonl"], files
-    lines = (out_dir / files[0]).read_text(encoding="utf-8").splitlines()
+    assert files == [f"metrics-{pid}.jsonl", f"spans-{pid}.jsonl"], files
+    lines = (out_dir / f"spans-{pid}.jsonl").read_text(encoding="utf-8").splitlines()
     assert lines, "empty spans file"
     return [json.loads(line) for line in lines]  # each line on its own is one span
 
@@ -78,9 +79,16 @@ def test_file_exporter_writes_json_lines(tmp_path: Path) -> None:
     assert run.result["diagnostics"]["span_mode"] == "owned"
 
 
+def console_spans(stdout: str) -> list[dict]:
+    """The span objects the console exporter printed (its metrics are printed beside them)."""
+    objs = json_objects(stdout)
+    assert any("resource_metrics" in o for o in objs), "no metrics on the console"
+    return [o for o in objs if "resource_metrics" not in o]
+
+
 def test_console_exporter_prints_spans(tmp_path: Path) -> None:
     run = run_nested(tmp_path, "console")
-    check_nested_spans(json_objects(run.stdout), run)
+    check_nested_spans(console_spans(run.stdout), run)
     assert not (tmp_path / "perfsdk-output").exists()  # no file without the file exporter
     assert "PerfSDKWarning" not in run.stderr, run.stderr
 
@@ -89,7 +97,7 @@ def test_file_and_console_together(tmp_path: Path) -> None:
     out_dir = tmp_path / "out"
     run = run_nested(tmp_path, "file,console", PERFSDK_OUTPUT_DIR=str(out_dir))
     from_file = check_nested_spans(spans_file(out_dir, run.result["pid"]), run)
-    from_console = check_nested_spans(json_objects(run.stdout), run)
+    from_console = check_nested_spans(console_spans(run.stdout), run)
     # The same spans, once each, in both places.
     ids = sorted((s.name, s.span_id, s.parent_span_id) for s in from_file.regions())
     assert ids == sorted((s.name, s.span_id, s.parent_span_id) for s in from_console.regions())

@@ -151,21 +151,30 @@ def test_without_cuda_only_rss_is_reported():
 
 def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path):
     script = textwrap.dedent("""
+        import os, resource
         import perfsdk
         from perfsdk.testing import capture
+        page = os.sysconf("SC_PAGE_SIZE")
+        size = 512 * 1024 * 1024
         with capture() as cap:
+            with open("/proc/self/statm") as f:
+                current = int(f.read().split()[1]) * page
+            peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             with perfsdk.timed_region("grow", memory=True) as r:
-                block = bytearray(300 * 1024 * 1024)  # zero-filled: every page touched
+                block = b"\\x01" * size  # written: every page touched
             with perfsdk.timed_region("quiet", memory=True):
                 pass
         grow, quiet = cap.named("grow")[0].memory, cap.named("quiet")[0].memory
-        print(grow["perfsdk.memory.rss_delta_bytes"], quiet["perfsdk.memory.rss_delta_bytes"])
+        expected = current + size - peak_before  # how far the new block lifts the high-water mark
+        print(grow["perfsdk.memory.rss_delta_bytes"], quiet["perfsdk.memory.rss_delta_bytes"],
+              expected)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
-    grow, quiet = map(int, proc.stdout.split())
-    assert grow >= 250 * MB
+    grow, quiet, expected = map(int, proc.stdout.split())
+    assert expected > 256 * MB  # the block really goes above the earlier peak
+    assert expected - 32 * MB <= grow <= 512 * MB + 64 * MB
     assert quiet < 16 * MB  # nothing of its own (other threads may nudge the peak)
 
 

@@ -1,0 +1,400 @@
+"""OpenTelemetry metrics from region records, through the same exporter choice as spans.
+
+Recorded on the pipeline thread from resolved records, never on the training thread (meter
+``perfsdk``): ``perfsdk.region.duration`` and ``perfsdk.region.device_duration`` (histograms, ms;
+attributes ``perfsdk.region``, ``perfsdk.region.error``), ``perfsdk.region.errors`` (counter;
+``perfsdk.region``, ``error.type``), ``process.memory.usage`` (RSS, By; an up-down counter as the
+semantic conventions define it; where ``/proc`` is missing, the peak RSS from ``getrusage``) and,
+with a GPU readings callable, the hardware conventions' ``hw.gpu.utilization``,
+``hw.gpu.memory.usage``, ``hw.power``, ``hw.energy``, ``hw.temperature`` (``hw.id``, ``hw.type``).
+
+Modes, like spans: ``owned`` (perfsdk's SDK MeterProvider with a PeriodicExportingMetricReader
+per exporter, every ``OTEL_METRIC_EXPORT_INTERVAL`` ms, default 10 s; made global if the app set
+none), ``user`` (instruments from the application's provider; nothing added), ``off``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics._internal import _ProxyMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricExporter,
+    MetricExportResult,
+    MetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
+
+from perfsdk._version import __version__
+from perfsdk.config import Config
+from perfsdk.errors import MissingDependencyError, warn_once
+from perfsdk.export.exporters import _QUIET, _Quiet
+from perfsdk.export.spans import build_resource
+from perfsdk.record import DEVICE_MS, ERROR, SPEC, SPECS, T0, T1, Record
+
+__all__ = ["GpuReadings", "GuardedMetricExporter", "MetricsSink", "rss_bytes"]
+
+GpuReadings = Callable[[], dict[int, dict[str, float]]]
+"""Latest readings, cheap to call (once per GPU instrument and collection): ``{device index:
+{"utilization" (0..1), "memory_used_bytes", "power_w", "temperature_c", "energy_j"}}``."""
+
+# Histogram bucket bounds, advisory (an application's View wins): 10 us to 1 min.
+BUCKETS_MS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0,
+              500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0, 60000.0)
+DEFAULT_INTERVAL_MS = 10_000.0  # OTel's own default is 60 s
+_GPU_METRICS = (  # (instrument, kind, unit, reading key, description)
+    ("hw.gpu.utilization", "gauge", "1", "utilization", "Fraction of time the GPU was busy."),
+    ("hw.gpu.memory.usage", "updown", "By", "memory_used_bytes", "GPU memory used."),
+    ("hw.power", "gauge", "W", "power_w", "Power drawn by the GPU."),
+    ("hw.energy", "counter", "J", "energy_j", "Energy used by the GPU."),
+    ("hw.temperature", "gauge", "Cel", "temperature_c", "GPU temperature."),
+)
+for _name in ("opentelemetry.exporter.otlp.proto.http.metric_exporter",
+              "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+              "opentelemetry.sdk.metrics._internal", "opentelemetry.sdk.metrics._internal.export"):
+    logging.getLogger(_name).addFilter(_QUIET)
+
+
+def rss_bytes() -> int | None:
+    """Current resident set size (a few us on Linux); without ``/proc``, the peak RSS."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+        except ImportError:  # Windows
+            return None
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    local = _Quiet.local
+    local.depth = getattr(local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        local.depth -= 1
+
+
+class GuardedMetricExporter(MetricExporter):
+    """A failure warns once and is counted (the next cumulative export carries the data); in a
+    forked child it drops everything, the copy of the parent's state."""
+
+    def __init__(self, inner: MetricExporter, label: str) -> None:
+        super().__init__(preferred_temporality=inner._preferred_temporality,
+                         preferred_aggregation=inner._preferred_aggregation)
+        self.inner, self.label, self.pid = inner, label, os.getpid()
+        self.exported = self.failed = 0
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
+               **kwargs: Any) -> MetricExportResult:
+        if os.getpid() != self.pid:
+            return MetricExportResult.SUCCESS
+        reason = "it reported failure"
+        try:
+            with _quiet():
+                result = self.inner.export(metrics_data, timeout_millis=timeout_millis)
+        except Exception as exc:
+            result, reason = MetricExportResult.FAILURE, repr(exc)
+        self.exported += result is MetricExportResult.SUCCESS
+        if result is not MetricExportResult.SUCCESS:
+            self.failed += 1
+            warn_once(f"metrics-export:{self.label}", f"perfsdk: the {self.label} exporter "
+                      f"could not deliver metrics ({reason}); the program continues.")
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return os.getpid() != self.pid or bool(self.inner.force_flush(timeout_millis))
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        if os.getpid() == self.pid:
+            with _quiet():
+                self.inner.shutdown(timeout_millis=timeout_millis)
+
+
+class _JsonLinesMetrics(ConsoleMetricExporter):
+    """One ``MetricsData`` JSON a line in ``<output_dir>/metrics-<pid>.jsonl``."""
+
+    def __init__(self, output_dir: Path) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path = output_dir / f"metrics-{os.getpid()}.jsonl"
+        super().__init__(out=path.open("a", encoding="utf-8"),
+                         formatter=lambda data: data.to_json(indent=None) + "\n")
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.out.close()
+
+
+def otlp_metric_exporter(export_timeout: float = 5.0) -> MetricExporter:
+    """OTLPMetricExporter over ``OTEL_EXPORTER_OTLP_[METRICS_]PROTOCOL`` (default http/protobuf);
+    without ``OTEL_EXPORTER_OTLP_[METRICS_]TIMEOUT`` an export waits at most ``export_timeout``."""
+    env = os.environ
+    protocol = (env.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
+                or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+    if protocol not in ("grpc", "http/protobuf"):
+        warn_once("otlp-metrics-protocol", f"perfsdk: OTLP protocol {protocol!r} is not "
+                  "supported; accepted values are grpc, http/protobuf. Using http/protobuf.")
+    kind = "grpc" if protocol == "grpc" else "http"
+    try:
+        module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{kind}"
+                                         ".metric_exporter")
+    except ImportError:
+        raise MissingDependencyError(
+            "opentelemetry-exporter-otlp", "otlp", "The otlp exporter") from None
+    own = env.get("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT") or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")
+    exporter: MetricExporter = module.OTLPMetricExporter(timeout=None if own else export_timeout)
+    return exporter
+
+
+class _Instruments:
+    """perfsdk's instruments on one meter, and the recording of one batch of records."""
+
+    def __init__(self, meter: Meter, sink: MetricsSink) -> None:
+        self.duration = meter.create_histogram(
+            "perfsdk.region.duration", unit="ms", description="Host time of a region.",
+            explicit_bucket_boundaries_advisory=BUCKETS_MS)
+        self.device = meter.create_histogram(
+            "perfsdk.region.device_duration", unit="ms", description="Device time of a region.",
+            explicit_bucket_boundaries_advisory=BUCKETS_MS)
+        self.errors = meter.create_counter(
+            "perfsdk.region.errors", unit="{error}", description="Regions left by an exception.")
+        meter.create_observable_up_down_counter(
+            "process.memory.usage", [lambda _: [Observation(v) for v in (rss_bytes(),) if v]],
+            unit="By", description="The amount of physical memory in use.")
+        make: dict[str, Callable[..., Any]] = {
+            "gauge": meter.create_observable_gauge, "counter": meter.create_observable_counter,
+            "updown": meter.create_observable_up_down_counter}
+        for name, kind, unit, key, text in _GPU_METRICS if sink.gpu_readings else ():
+            make[kind](name, [sink._gpu_callback(key, unit == "By")], unit=unit, description=text)
+        self._attrs: dict[tuple[int, bool], dict[str, Any]] = {}
+
+    def record(self, records: list[Record]) -> None:
+        attrs_of, duration, device = self._attrs, self.duration.record, self.device.record
+        errors: dict[tuple[str, str], int] = {}
+        for rec in records:
+            error = rec[ERROR]
+            key = (rec[SPEC], error is not None)
+            attrs = attrs_of.get(key)
+            if attrs is None:  # one dict per region name and outcome, reused
+                attrs = attrs_of[key] = {"perfsdk.region": SPECS[key[0]].name,
+                                         "perfsdk.region.error": key[1]}
+            duration((rec[T1] - rec[T0]) / 1e6, attrs)
+            device_ms = rec[DEVICE_MS]
+            if device_ms is not None:
+                device(device_ms, attrs)
+            if error is not None:
+                kind = type(error)
+                counted = (attrs["perfsdk.region"], kind.__qualname__ if kind.__module__ ==
+                           "builtins" else f"{kind.__module__}.{kind.__qualname__}")
+                errors[counted] = errors.get(counted, 0) + 1
+        for (name, etype), n in errors.items():  # one add per name and type in the batch
+            self.errors.add(n, {"perfsdk.region": name, "error.type": etype})
+
+
+class MetricsSink:
+    """Region metrics for perfsdk's own readers or the application's MeterProvider.
+
+    Args:
+        config: exporters (``otlp``, ``console``, ``file``, OTel ``MetricExporter`` or
+            ``MetricReader`` instances; span exporters are ignored), output_dir, service_name.
+        gpu_readings: latest GPU readings (:data:`GpuReadings`); adds the ``hw.*`` instruments.
+        global_provider: False keeps perfsdk's MeterProvider private (for tests and embedding).
+    """
+
+    def __init__(self, config: Config, gpu_readings: GpuReadings | None = None, *,
+                 global_provider: bool = True) -> None:
+        self.config, self.gpu_readings, self._global = config, gpu_readings, global_provider
+        self._lock = threading.Lock()
+        self._mode: str | None = None
+        self._provider: MeterProvider | None = None  # perfsdk's, once made
+        self._instruments: _Instruments | None = None
+        self._instruments_for: object = None
+        self._built: list[MetricReader] = []  # readers perfsdk made
+        self._given: list[MetricReader] = []  # MetricReader instances from the configuration
+        self._orphans: list[MetricReader] = []  # in a forked child: copies of the parent's
+        self.exporters: list[GuardedMetricExporter] = []
+
+    def configure(self, config: Config, timeout: float | None = None) -> None:
+        """Adopt a new configuration: perfsdk's readers export once more and close; new ones
+        are made on next use. MetricReader instances still in the configuration stay."""
+        with self._lock:
+            stay = [r for r in self._given if any(r is e for e in config.exporters)]
+            old = self._built + [r for r in self._given if not any(r is s for s in stay)]
+            self._built, self._given, self.exporters = [], stay, []
+            self.config, self._mode, provider = config, None, self._provider
+            _set_resource(provider, config)
+        _retire(provider, old, config.export_timeout_s if timeout is None else timeout)
+
+    @property
+    def mode(self) -> str:
+        """``owned`` (perfsdk's readers), ``user`` (the app's MeterProvider) or ``off``."""
+        with self._lock:
+            if self._mode is None:
+                self._mode = self._decide()
+            return self._mode
+
+    def _decide(self) -> str:
+        if self._global:
+            current = metrics.get_meter_provider()
+            if current is not self._provider and not isinstance(current, _ProxyMeterProvider):
+                self._use(current)
+                return "user"
+        if self._orphans:  # in a forked child: the parent's readers go; the resource is ours
+            _retire(self._provider, self._orphans, self.config.export_timeout_s)
+            self._orphans = []
+            _set_resource(self._provider, self.config)
+        readers = self._readers()
+        if not readers:
+            return "off"
+        provider = self._provider
+        if provider is None:
+            provider = MeterProvider(resource=build_resource(self.config), shutdown_on_exit=False)
+            if self._global:  # if another thread set one just now, ours stays private
+                with _quiet():
+                    metrics.set_meter_provider(provider)
+            self._provider = provider
+        with _quiet():  # a MetricReader instance kept from the last configuration: a no-op
+            for reader in readers:
+                provider.add_metric_reader(reader)
+        self._use(provider)
+        return "owned"
+
+    def _use(self, provider: metrics.MeterProvider) -> None:
+        if self._instruments_for is not provider:
+            self._instruments = _Instruments(provider.get_meter("perfsdk", __version__), self)
+            self._instruments_for = provider
+
+    def _readers(self) -> list[MetricReader]:
+        config, env = self.config, os.environ  # OTel reads its own variables when they are set
+        interval = None if env.get("OTEL_METRIC_EXPORT_INTERVAL") else DEFAULT_INTERVAL_MS
+        timeout = None if env.get("OTEL_METRIC_EXPORT_TIMEOUT") else config.export_timeout_s * 1e3
+        for item in config.exporters:
+            if isinstance(item, MetricReader):
+                if not any(item is r for r in self._given):
+                    self._given.append(item)
+                continue
+            try:
+                if isinstance(item, MetricExporter):
+                    inner, label = item, type(item).__name__
+                elif item == "otlp":
+                    inner, label = otlp_metric_exporter(config.export_timeout_s), "otlp"
+                elif item == "console":
+                    inner, label = ConsoleMetricExporter(out=sys.stdout), "console"
+                elif item == "file":
+                    inner, label = _JsonLinesMetrics(config.output_dir), "file"
+                else:
+                    continue  # a span exporter
+            except Exception as exc:
+                warn_once(f"exporter:{item}",
+                          f"perfsdk: cannot use the {item} exporter for metrics: {exc}")
+                continue
+            exporter = GuardedMetricExporter(inner, label)
+            self.exporters.append(exporter)
+            self._built.append(PeriodicExportingMetricReader(exporter, interval, timeout))
+        return self._built + self._given
+
+    def consume(self, records: list[Record]) -> None:
+        if self.mode != "off" and self._instruments is not None:
+            self._instruments.record(records)
+
+    def _gpu_callback(self, key: str, integer: bool) -> Callable[[CallbackOptions],
+                                                                 Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            try:
+                readings = self.gpu_readings() if self.gpu_readings is not None else {}
+            except Exception as exc:
+                warn_once("metrics-gpu", f"perfsdk: reading the GPU for metrics failed "
+                          f"({exc!r}); the GPU instruments are left out.")
+                return ()
+            return [Observation(int(value) if integer else value,
+                                {"hw.id": str(index), "hw.type": "gpu"})
+                    for index, values in readings.items()
+                    if (value := values.get(key)) is not None and math.isfinite(value)]
+        return observe
+
+    def flush(self, timeout: float) -> None:
+        """Export now: perfsdk's readers, or the application's provider in ``user`` mode."""
+        if self._mode == "owned":
+            readers = self._built + self._given
+            _bounded(lambda: [r.force_flush(timeout * 1000) for r in readers], timeout, "flush")
+        elif self._mode == "user":
+            flush = getattr(metrics.get_meter_provider(), "force_flush", None)
+            if flush is not None:
+                _bounded(lambda: flush(timeout * 1000), timeout, "flush")
+
+    def shutdown(self, timeout: float) -> None:
+        """A last export and close; a later region makes new readers."""
+        if self._mode == "user":
+            self.flush(timeout)  # the application shuts its provider down itself
+            return
+        with self._lock:
+            readers, self._built, self._given, self._mode = self._built + self._given, [], [], None
+        _retire(self._provider, readers, timeout)
+
+    def prepare(self) -> None:
+        """Decide where metrics go, on the caller's thread at the first region."""
+        _ = self.mode
+
+    def after_fork(self) -> None:
+        """In a forked child: new readers on first use; the parent's copies are closed then."""
+        self._lock = threading.Lock()
+        self._orphans, self._built, self.exporters = self._orphans + self._built, [], []
+        self._mode = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"metrics_mode": self._mode or "undecided",
+                "metric_exports": sum(e.exported for e in self.exporters),
+                "metric_exports_failed": sum(e.failed for e in self.exporters)}
+
+
+def _set_resource(provider: MeterProvider | None, config: Config) -> None:
+    update = getattr(provider, "_update_resource", None)  # OTel SDK >= 1.39
+    if update is not None:
+        update(build_resource(config))
+
+
+def _retire(provider: MeterProvider | None, readers: list[MetricReader], timeout: float) -> None:
+    """Shut readers down (a last export each) and detach them from the provider, bounded."""
+    def run() -> None:
+        with _quiet():  # the guard has warned about export trouble; OTel would log it again
+            for reader in readers:
+                reader.shutdown(timeout_millis=timeout * 1000)
+                if provider is not None:
+                    provider.remove_metric_reader(reader)
+    if readers:
+        _bounded(run, timeout, "shutdown")
+
+
+def _bounded(fn: Callable[[], object], timeout: float, what: str) -> None:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout`` seconds for it."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:
+            warn_once(f"metrics-{what}-error", f"perfsdk: metrics {what} failed: {exc!r}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"perfsdk-metrics-{what}", daemon=True).start()
+    if not done.wait(timeout):
+        warn_once(f"metrics-{what}-timeout", f"perfsdk: metrics {what} did not finish within "
+                  f"{timeout:g} s (PERFSDK_EXPORT_TIMEOUT); the program goes on without it.")
