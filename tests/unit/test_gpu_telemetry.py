@@ -114,3 +114,15 @@ def test_without_a_driver_one_warning_and_regions_still_flow(fake_cuda, telemetr
 def test_bad_interval_is_named():
     with pytest.raises(ValueError, match=r"gpu_sample_interval_s=-1.*>= 0"):
         configure(gpu_sample_interval_s=-1)
+
+
+def test_metric_gauges_read_the_running_sampler(fake_cuda, telemetry):
+    """perfsdk's MetricsSink is wired to the sampler's latest readings."""
+    from perfsdk.lifecycle import METRICS
+
+    assert METRICS.gpu_readings() == {}  # nothing sampled yet
+    fake = FakeNvml([FakeGpu("GPU-bbbb", power_w=lambda t: 42.0)])
+    telemetry.nvml, telemetry.device_uuids = fake, fake.uuids
+    configure(gpu_sample_interval_s=0.01)
+    telemetry.tick()
+    assert wait_until(lambda: METRICS.gpu_readings().get(0, {}).get("power_w") == 42.0)
