@@ -23,6 +23,7 @@ VARIANTS = {
 }
 TARGETS = {
     "full_added", "full_vs_otel", "whole_vs_otel", "nvtx_only_vs_pushpop", "memory_added",
+    "nvml_core_fraction",
     "disabled_decoration_identity", "disabled_runtime_vs_wraps",
 }
 
