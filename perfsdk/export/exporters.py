@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, Sp
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
 
-__all__ = ["GuardedExporter", "make_exporter", "otlp_exporter"]
+__all__ = ["GuardedExporter", "bounded", "make_exporter", "otlp_exporter"]
 
 _EXPORTER_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
@@ -157,3 +157,26 @@ class _JsonLinesFile(ConsoleSpanExporter):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def bounded(fn: Callable[[], object], timeout: float, what: str, subject: str = "span") -> bool:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout`` seconds for it, so a slow or
+    unreachable collector never holds the program (flush, shutdown, exit)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:
+            warn_once(f"{subject}-{what}-error", f"perfsdk: {subject} {what} failed: {exc!r}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"perfsdk-{subject}-{what}", daemon=True).start()
+    if not done.wait(timeout):
+        warn_once(f"{subject}-{what}-timeout", f"perfsdk: {subject} {what} did not finish "
+                  f"within {timeout:g} s (PERFSDK_EXPORT_TIMEOUT); what was not sent is dropped "
+                  "so the program can go on.")
+        return False
+    return True
+

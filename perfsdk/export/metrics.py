@@ -42,7 +42,7 @@ from opentelemetry.sdk.metrics.export import (
 from perfsdk._version import __version__
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
-from perfsdk.export.exporters import _QUIET, _Quiet
+from perfsdk.export.exporters import _QUIET, _Quiet, bounded
 from perfsdk.export.spans import build_resource
 from perfsdk.record import DEVICE_MS, ERROR, SPEC, SPECS, T0, T1, Record
 
@@ -333,11 +333,12 @@ class MetricsSink:
         """Export now: perfsdk's readers, or the application's provider in ``user`` mode."""
         if self._mode == "owned":
             readers = self._built + self._given
-            _bounded(lambda: [r.force_flush(timeout * 1000) for r in readers], timeout, "flush")
+            bounded(lambda: [r.force_flush(timeout * 1000) for r in readers], timeout, "flush",
+                    "metrics")
         elif self._mode == "user":
             flush = getattr(metrics.get_meter_provider(), "force_flush", None)
             if flush is not None:
-                _bounded(lambda: flush(timeout * 1000), timeout, "flush")
+                bounded(lambda: flush(timeout * 1000), timeout, "flush", "metrics")
 
     def shutdown(self, timeout: float) -> None:
         """A last export and close; a later region makes new readers."""
@@ -379,22 +380,4 @@ def _retire(provider: MeterProvider | None, readers: list[MetricReader], timeout
                 if provider is not None:
                     provider.remove_metric_reader(reader)
     if readers:
-        _bounded(run, timeout, "shutdown")
-
-
-def _bounded(fn: Callable[[], object], timeout: float, what: str) -> None:
-    """Run ``fn`` on a daemon thread and wait at most ``timeout`` seconds for it."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            fn()
-        except Exception as exc:
-            warn_once(f"metrics-{what}-error", f"perfsdk: metrics {what} failed: {exc!r}")
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"perfsdk-metrics-{what}", daemon=True).start()
-    if not done.wait(timeout):
-        warn_once(f"metrics-{what}-timeout", f"perfsdk: metrics {what} did not finish within "
-                  f"{timeout:g} s (PERFSDK_EXPORT_TIMEOUT); the program goes on without it.")
+        bounded(run, timeout, "shutdown", "metrics")

@@ -37,7 +37,7 @@ from perfsdk import clocks
 from perfsdk._version import __version__
 from perfsdk.config import Config
 from perfsdk.errors import warn_once
-from perfsdk.export.exporters import GuardedExporter, make_exporter, otlp_exporter
+from perfsdk.export.exporters import GuardedExporter, bounded, make_exporter, otlp_exporter
 from perfsdk.export.spans import (
     SAMPLED,
     build_resource,
@@ -208,11 +208,11 @@ class SpanSink:
 
     def flush(self, timeout: float) -> None:
         if self._mode == "owned":
-            _bounded(lambda: self._fanout.force_flush(int(timeout * 1000)), timeout, "flush")
+            bounded(lambda: self._fanout.force_flush(int(timeout * 1000)), timeout, "flush")
         elif self._mode == "user":
             flush = getattr(trace.get_tracer_provider(), "force_flush", None)
             if flush is not None:
-                _bounded(lambda: flush(int(timeout * 1000)), timeout, "flush")
+                bounded(lambda: flush(int(timeout * 1000)), timeout, "flush")
 
     def shutdown(self, timeout: float) -> None:
         if self._mode == "user":
@@ -246,30 +246,10 @@ class SpanSink:
         }
 
 
-def _bounded(fn: Any, timeout: float, what: str) -> bool:
-    """Run ``fn`` on a daemon thread and wait at most ``timeout`` seconds for it."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            fn()
-        except Exception as exc:
-            warn_once(f"{what}-error", f"perfsdk: span {what} failed: {exc!r}")
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"perfsdk-{what}", daemon=True).start()
-    if not done.wait(timeout):
-        warn_once(f"{what}-timeout", f"perfsdk: span {what} did not finish within {timeout:g} s "
-                  "(PERFSDK_EXPORT_TIMEOUT); unsent spans are dropped so the program can go on.")
-        return False
-    return True
-
-
 def _shutdown_bounded(processors: list[SpanProcessor], timeout: float) -> None:
     if processors:
         def shut() -> None:
             for processor in processors:
                 processor.shutdown()
 
-        _bounded(shut, timeout, "shutdown")
+        bounded(shut, timeout, "shutdown")
