@@ -21,7 +21,7 @@ try:  # optional at run time: perfsdk works without it, minus NVTX ranges
 except Exception:
     _nvtx = None
 
-__all__ = ["COLORS", "NvtxMarker", "color_for", "parse_color", "profiler_active"]
+__all__ = ["COLORS", "NvtxMarker", "color_for", "parse_color", "record_function"]
 
 COLORS: dict[str, int] = {
     "green": 0xFF008000,
@@ -56,12 +56,10 @@ def parse_color(color: str | int | None, name: str) -> int:
     """``color=`` as ARGB; None picks :func:`color_for`. Raises ValueError naming the argument."""
     if color is None:
         return color_for(name)
-    if isinstance(color, bool):
-        pass
-    elif isinstance(color, int):
+    if isinstance(color, int) and not isinstance(color, bool):
         if 0 <= color <= 0xFFFFFF:
             return 0xFF000000 | color
-        if color <= 0xFFFFFFFF and color >= 0:
+        if 0 <= color <= 0xFFFFFFFF:
             return color
     elif isinstance(color, str):
         key = color.strip().lower()
@@ -109,11 +107,6 @@ class NvtxMarker:
         except Exception as exc:
             warn_once(f"nvtx-error:{domain}:{message}",
                       f"perfsdk: NVTX unavailable for {message!r} ({exc!r}); no NVTX range.")
-
-
-def profiler_active() -> bool:
-    """True while a torch profiler (or anything else) collects record-function events."""
-    return bool(torch._C._autograd._profiler_enabled())
 
 
 record_function: Any = torch.autograd.profiler.record_function

@@ -42,6 +42,7 @@ def register(spec: Any) -> int:
 
 
 def spec_of(record: Record) -> Any:
+    """The :class:`~perfsdk.region.RegionSpec` a record was made from."""
     return SPECS[record[SPEC]]
 
 

@@ -15,6 +15,7 @@ from perfsdk import _device, clocks, profiled, timed_region
 from perfsdk.errors import counts
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import FakeCuda, FakeEvent, FakeStream, use_fake_cuda
+from tests.waiting import wait_until
 
 
 def pending():
@@ -22,15 +23,6 @@ def pending():
     lock = getattr(PIPELINE, "_drain_lock", None) or contextlib.nullcontext()
     with lock:
         return PIPELINE.pending
-
-
-def wait_until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 def test_nothing_resolves_until_the_gpu_finishes(fake_cuda, captured):

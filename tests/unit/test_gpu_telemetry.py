@@ -14,15 +14,7 @@ from perfsdk.config import configure
 from perfsdk.gpu import TELEMETRY
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import capture
-
-
-def wait_until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+from tests.waiting import wait_until
 
 
 @pytest.fixture
