@@ -8,10 +8,18 @@ OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
 from perfsdk._version import __version__
 from perfsdk.config import Config, configure, get_config
 from perfsdk.decorator import profiled
-from perfsdk.errors import MissingDependencyError, NoEffectWarning, PerfSDKError, PerfSDKWarning
+from perfsdk.errors import (
+    MissingDependencyError,
+    NoEffectWarning,
+    PerfSDKError,
+    PerfSDKWarning,
+    SyncError,
+    SyncWarning,
+)
 from perfsdk.export.summary import RegionStats, Summary
 from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
 from perfsdk.region import Region, RegionResult
+from perfsdk.sync import SyncReport, SyncSite, no_sync_guard
 from perfsdk.timing import timed_region
 
 __all__ = (
@@ -24,11 +32,16 @@ __all__ = (
     "RegionResult",
     "RegionStats",
     "Summary",
+    "SyncError",
+    "SyncReport",
+    "SyncSite",
+    "SyncWarning",
     "__version__",
     "configure",
     "diagnostics",
     "flush",
     "get_config",
+    "no_sync_guard",
     "profiled",
     "shutdown",
     "summary",

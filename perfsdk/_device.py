@@ -52,6 +52,8 @@ class CudaBackend(Protocol):
                               skip_actions: list[str] | None = None) -> None: ...
     def dump_snapshot(self, filename: str = "dump_snapshot.pickle",
                       augment_with_fx_traces: bool = False) -> None: ...
+    def get_sync_debug_mode(self) -> int: ...
+    def set_sync_debug_mode(self, debug_mode: int | str) -> None: ...
 
 
 class TorchCuda:
@@ -106,6 +108,13 @@ class TorchCuda:
                       augment_with_fx_traces: bool = False) -> None:
         torch.cuda.memory._dump_snapshot(  # type: ignore[no-untyped-call]
             filename, augment_with_fx_traces)
+
+    # torch's sync debug mode: 0 off, 1 warn, 2 error on each synchronizing CUDA call
+    def get_sync_debug_mode(self) -> int:
+        return int(torch.cuda.get_sync_debug_mode())
+
+    def set_sync_debug_mode(self, debug_mode: int | str) -> None:
+        torch.cuda.set_sync_debug_mode(debug_mode)
 
 
 _lock = threading.Lock()

@@ -16,6 +16,8 @@ __all__ = [
     "NoEffectWarning",
     "PerfSDKError",
     "PerfSDKWarning",
+    "SyncError",
+    "SyncWarning",
 ]
 
 logger = logging.getLogger("perfsdk")
@@ -44,6 +46,25 @@ class PerfSDKWarning(UserWarning):
 
 class NoEffectWarning(PerfSDKWarning):
     """A call did nothing for this model or machine and returned its input unchanged."""
+
+
+class SyncError(PerfSDKError, RuntimeError):
+    """``no_sync_guard("error")`` met a host-device synchronization; raised at that line.
+
+    ``op`` is the kind of sync (a key of ``perfsdk.sync.OPS``), ``operator`` what synchronized
+    (``aten::_local_scalar_dense``, ``Tensor.cpu`` ...), ``file`` and ``line`` the call site.
+    """
+
+    def __init__(self, message: str, *, op: str, operator: str, file: str, line: int) -> None:
+        super().__init__(message)
+        self.op = op
+        self.operator = operator
+        self.file = file
+        self.line = line
+
+
+class SyncWarning(UserWarning):
+    """``no_sync_guard("warn")`` met a host-device synchronization (once per call site)."""
 
 
 _lock = threading.Lock()

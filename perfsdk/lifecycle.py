@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, TextIO
 
@@ -9,6 +10,7 @@ from perfsdk import config as _config
 from perfsdk import errors
 from perfsdk import gpu as _gpu
 from perfsdk import memory as _memory
+from perfsdk import sync as _sync
 from perfsdk.config import Config
 from perfsdk.export.summary import Summary, SummarySink
 from perfsdk.pipeline import PIPELINE
@@ -79,6 +81,9 @@ def shutdown(timeout: float | None = None) -> None:
 def summary(*, show: bool = True, file: TextIO | None = None) -> Summary:
     """Flush, then return the per-region summary, printing it as a table when ``show``.
 
+    Host-device syncs recorded by :func:`perfsdk.no_sync_guard` are listed below the table, per
+    call site, and counted per region in a ``syncs`` column.
+
     Example:
         >>> import perfsdk
         >>> table = perfsdk.summary(show=False)
@@ -87,6 +92,9 @@ def summary(*, show: bool = True, file: TextIO | None = None) -> Summary:
     """
     PIPELINE.drain(wait=True)
     table = SUMMARY.snapshot()
+    sites = _sync.sites()
+    if sites:
+        table = dataclasses.replace(table, sync_sites=sites)
     if show:
         out = sys.stdout if file is None else file
         out.write(f"{table}\n")

@@ -18,15 +18,18 @@ from __future__ import annotations
 import contextlib
 import pickle
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from perfsdk import _device, clocks
+from perfsdk._fake_tensor import FakeCudaTensor, FakePinnedTensor
 from perfsdk.config import get_config
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
 
-__all__ = ["Capture", "FakeCuda", "FakeEvent", "FakeStream", "capture", "use_fake_cuda"]
+__all__ = ["Capture", "FakeCuda", "FakeCudaTensor", "FakeEvent", "FakePinnedTensor", "FakeStream",
+           "capture", "use_fake_cuda"]
 
 
 class Capture:
@@ -96,7 +99,7 @@ class FakeStream:
         self._fake = fake
 
     def synchronize(self) -> None:
-        self._fake.sync_calls.append("Stream.synchronize")
+        self._fake._synced("Stream.synchronize")
         self._fake.gpu_ms = max(self._fake.gpu_ms, self._fake.queued_ms)
 
     def query(self) -> bool:
@@ -131,7 +134,7 @@ class FakeEvent:
         return float(end_event.at_ms - self.at_ms)
 
     def synchronize(self) -> None:
-        self._fake.sync_calls.append("Event.synchronize")
+        self._fake._synced("Event.synchronize")
         if self.at_ms is not None:
             self._fake.gpu_ms = max(self._fake.gpu_ms, self.at_ms)
 
@@ -159,6 +162,7 @@ class FakeCuda:
         self.reserved = 0
         self.peak = 0
         self.history: list[dict[str, Any]] | None = None
+        self.sync_debug_mode = 0
 
     # the torch.cuda subset
     def is_initialized(self) -> bool:
@@ -173,7 +177,7 @@ class FakeCuda:
         return FakeStream(self)
 
     def synchronize(self, device: Any = None) -> None:
-        self.sync_calls.append("synchronize")
+        self._synced("synchronize")
         self.complete_all()
 
     def get_device_name(self, device: Any = None) -> str:
@@ -219,7 +223,31 @@ class FakeCuda:
         with open(filename, "wb") as f:
             pickle.dump(snapshot, f)
 
+    def get_sync_debug_mode(self) -> int:
+        return self.sync_debug_mode
+
+    def set_sync_debug_mode(self, debug_mode: int | str) -> None:
+        modes = {"default": 0, "warn": 1, "error": 2}
+        if isinstance(debug_mode, str):
+            if debug_mode not in modes:
+                raise RuntimeError("invalid value of debug_mode, expected one of `default`, "
+                                   "`warn`, `error`")
+            debug_mode = modes[debug_mode]
+        self.sync_debug_mode = int(debug_mode)
+
+    def _synced(self, name: str) -> None:
+        """A synchronizing call: recorded, and reported the way torch's sync debug mode does."""
+        self.sync_calls.append(name)
+        if self.sync_debug_mode == 1:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
+        elif self.sync_debug_mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+
     # the test's controls
+    def implicit_sync(self, name: str = "cudaMemcpy") -> None:
+        """A synchronization inside some operator, visible only to torch's sync debug mode."""
+        self._synced(name)
+
     def alloc(self, nbytes: int) -> None:
         """Allocate ``nbytes`` through the fake caching allocator."""
         self.allocated += nbytes

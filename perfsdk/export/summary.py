@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from perfsdk.record import DEVICE_MS, ERROR, SPEC, SPECS, T0, T1
+from perfsdk.record import ATTRS, DEVICE_MS, ERROR, SPEC, SPECS, T0, T1
 
 __all__ = ["RegionStats", "Summary", "SummarySink"]
 
@@ -48,6 +48,8 @@ class RegionStats:
     device_p50_ms: float | None = None
     device_p95_ms: float | None = None
     device_p99_ms: float | None = None
+    syncs: int = 0
+    """Host-device syncs that a ``no_sync_guard`` saw inside this region (all calls)."""
 
 
 class _Series:
@@ -71,12 +73,13 @@ class _Series:
 
 
 class _Acc:
-    __slots__ = ("device", "errors", "host")
+    __slots__ = ("device", "errors", "host", "syncs")
 
     def __init__(self) -> None:
         self.host = _Series()
         self.device = _Series()
         self.errors = 0
+        self.syncs = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,9 @@ class Summary:
     """The summary table: iterate it, index it by name, or ``print`` it."""
 
     rows: tuple[RegionStats, ...]
+    sync_sites: tuple[Any, ...] = ()
+    """Every host-device sync a ``no_sync_guard`` recorded (``perfsdk.SyncSite``), most
+    frequent first."""
 
     def __iter__(self) -> Iterator[RegionStats]:
         return iter(self.rows)
@@ -104,7 +110,12 @@ class Summary:
         return [dataclasses.asdict(row) for row in self.rows]
 
     def __str__(self) -> str:
-        return render(self.rows)
+        text = render(self.rows)
+        if self.sync_sites:
+            from perfsdk.sync import render as render_syncs
+
+            text += "\n\n" + render_syncs(self.sync_sites)
+        return text
 
 
 def _ms(value: float | None) -> str:
@@ -122,9 +133,12 @@ def render(rows: Sequence[RegionStats]) -> str:
     if not rows:
         return "perfsdk summary: no regions recorded yet."
     device = any(r.device_count for r in rows)
+    syncs = any(r.syncs for r in rows)
     headers = ["region", "calls", "errors", "total ms", "mean ms", "p50 ms", "p95 ms", "p99 ms"]
     if device:
         headers += ["gpu total ms", "gpu mean ms", "gpu p50", "gpu p95", "gpu p99"]
+    if syncs:
+        headers.append("syncs")
     body = []
     for r in rows:
         line = [r.name, f"{r.count:,}", f"{r.errors:,}" if r.errors else "", _ms(r.total_ms),
@@ -132,6 +146,8 @@ def render(rows: Sequence[RegionStats]) -> str:
         if device:
             line += [_ms(r.device_total_ms), _ms(r.device_mean_ms), _ms(r.device_p50_ms),
                      _ms(r.device_p95_ms), _ms(r.device_p99_ms)]
+        if syncs:
+            line.append(f"{r.syncs:,}" if r.syncs else "")
         body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
 
@@ -166,6 +182,9 @@ class SummarySink:
                     acc.device.add(device_ms)
                 if rec[ERROR] is not None:
                     acc.errors += 1
+                attrs = rec[ATTRS]
+                if attrs and "perfsdk.syncs" in attrs:
+                    acc.syncs += int(attrs["perfsdk.syncs"])
 
     def flush(self, timeout: float) -> None:
         pass
@@ -183,10 +202,10 @@ class SummarySink:
     def snapshot(self) -> Summary:
         with self._lock:
             items = [(name, acc.host.count, acc.host.total, sorted(acc.host.samples), acc.errors,
-                      acc.device.count, acc.device.total, sorted(acc.device.samples))
+                      acc.device.count, acc.device.total, sorted(acc.device.samples), acc.syncs)
                      for name, acc in self._acc.items()]
         rows = []
-        for name, count, total, host, errors, dcount, dtotal, dev in items:
+        for name, count, total, host, errors, dcount, dtotal, dev, syncs in items:
             rows.append(RegionStats(
                 name=name, count=count, errors=errors, total_ms=total, mean_ms=total / count,
                 p50_ms=percentile(host, 50), p95_ms=percentile(host, 95),
@@ -195,7 +214,7 @@ class SummarySink:
                 device_mean_ms=dtotal / dcount if dcount else None,
                 device_p50_ms=percentile(dev, 50) if dcount else None,
                 device_p95_ms=percentile(dev, 95) if dcount else None,
-                device_p99_ms=percentile(dev, 99) if dcount else None,
+                device_p99_ms=percentile(dev, 99) if dcount else None, syncs=syncs,
             ))
         rows.sort(key=lambda r: (r.device_total_ms or 0.0, r.total_ms), reverse=True)
         return Summary(tuple(rows))

@@ -261,6 +261,8 @@ CONTRACT = {
     (FakeCuda, "memory_snapshot"): torch.cuda.memory_snapshot,
     (FakeCuda, "record_memory_history"): torch.cuda.memory._record_memory_history,
     (FakeCuda, "dump_snapshot"): torch.cuda.memory._dump_snapshot,
+    (FakeCuda, "get_sync_debug_mode"): torch.cuda.get_sync_debug_mode,
+    (FakeCuda, "set_sync_debug_mode"): torch.cuda.set_sync_debug_mode,
     (FakeEvent, "record"): torch.cuda.Event.record,
     (FakeEvent, "query"): torch.cuda.Event.query,
     (FakeEvent, "elapsed_time"): torch.cuda.Event.elapsed_time,
@@ -269,7 +271,7 @@ CONTRACT = {
     (FakeStream, "synchronize"): torch.cuda.Stream.synchronize,
     (FakeStream, "query"): torch.cuda.Stream.query,
 }
-TEST_CONTROLS = {"launch", "advance", "complete_all", "alloc", "free"}
+TEST_CONTROLS = {"launch", "advance", "complete_all", "alloc", "free", "implicit_sync"}
 
 
 @pytest.mark.parametrize(("fake", "real"), list(CONTRACT.items()),

@@ -1,0 +1,324 @@
+"""The sync detector: which tensor operations make the host wait for the device.
+
+Two torch modes see every operation on the thread they are pushed on: a ``TorchFunctionMode``
+for the Python-level calls that never reach the dispatcher on a CPU tensor (``.tolist()``,
+``.cpu()``, ``.numpy()``, printing) and a ``TorchDispatchMode`` for the ATen operators that
+synchronize on a CUDA device (``aten::_local_scalar_dense`` behind ``.item()`` / ``int()`` /
+``bool()``, ``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing,
+``repeat_interleave`` without ``output_size``, device-to-host copies, non-blocking copies from
+pageable memory). Each classifier answers an op label from :data:`OPS` or None.
+
+A tensor counts as a device tensor when it lives on a device other than the CPU (or ``meta``),
+or, with ``assume_device=True``, always: then a CPU-only run flags what *would* synchronize on a
+GPU. What this module decides is reported through the ``report`` callback given to
+:func:`push_modes`; it never raises on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+)
+
+__all__ = ["OPS", "push_modes", "pop_modes"]
+
+OPS: dict[str, str] = {
+    # label: how to avoid it (shown in warnings, errors and the docs)
+    "item": "keep the value on the device (accumulate with tensor ops) and read it every N "
+            "steps; int()/float()/bool()/.item() and `if tensor:` all copy it to the host",
+    "tolist": "keep the tensor on the device, or copy it with .to('cpu', non_blocking=True) "
+              "into pinned memory and read it after a later sync point",
+    "numpy": "move the tensor with .to('cpu', non_blocking=True) and read it later",
+    "to_host": "copy with .to('cpu', non_blocking=True) and read the result after a later sync "
+               "point, or keep the work on the device",
+    "print": "log every N steps, or log a value accumulated on the device",
+    "nonzero": "use a mask (torch.where, masked_fill, multiplication) instead of indices; "
+               "the output size depends on the data",
+    "masked_select": "use torch.where or multiply by the mask; the output size depends on "
+                     "the data",
+    "unique": "the output size depends on the data; precompute it, or pass a known size "
+              "where the API allows",
+    "mask_index": "use torch.where / masked_fill, or keep a fixed size; x[mask] has a "
+                  "data-dependent size",
+    "mask_assign": "use x.masked_fill_(mask, v) or torch.where(mask, v, x) instead of "
+                   "x[mask] = v",
+    "repeat_interleave": "pass output_size= so the output size need not be read from the "
+                         "device",
+    "pageable_copy": "non_blocking=True from pageable memory still waits; pin the source "
+                     "(DataLoader(pin_memory=True) or tensor.pin_memory())",
+    "synchronize": "remove it from the hot path; measure with perfsdk regions (CUDA events) "
+                   "instead of synchronize + time.time()",
+    "event_synchronize": "use event.query(), or let perfsdk resolve event times in the "
+                         "background",
+    "stream_synchronize": "order work with events (stream.wait_event) instead of waiting "
+                          "on the host",
+    "cuda": "torch's CUDA sync debug mode reported this operation as synchronizing",
+}
+
+_HOST = frozenset({"cpu", "meta"})
+_aten = torch.ops.aten
+
+
+def _dev(t: Any, assume: bool) -> bool:
+    return isinstance(t, torch.Tensor) and (assume or t.device.type not in _HOST)
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_pinned())
+    except Exception:  # pinned memory needs an accelerator build
+        return False
+
+
+def _scalar(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    return "item" if args and _dev(args[0], assume) else None
+
+
+def _first(label: str) -> Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]:
+    def classify(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+        return label if args and _dev(args[0], assume) else None
+    return classify
+
+
+def _bool_index(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+               for i in (indices or ()))
+
+
+def _index(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    if len(args) > 1 and _dev(args[0], assume) and _bool_index(args[1]):
+        return "mask_index"
+    return None
+
+
+def _index_put(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    if len(args) > 1 and _dev(args[0], assume) and _bool_index(args[1]):
+        return "mask_assign"
+    return None
+
+
+def _repeat(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    if kwargs.get("output_size") is not None or (len(args) > 2 and args[2] is not None):
+        return None
+    return "repeat_interleave" if args and _dev(args[0], assume) else None
+
+
+def _copy(dst_host: bool, src: Any, non_blocking: bool, dst_pinned: Callable[[], bool]
+          ) -> str | None:
+    """A copy between host and device memory: real devices only (``assume_device`` cannot tell
+    a CPU tensor that stands for a device tensor from a host one at this level)."""
+    src_host = src.device.type in _HOST
+    if dst_host and not src_host:  # device -> host
+        return None if non_blocking and dst_pinned() else "to_host"
+    if not dst_host and src_host and non_blocking and not _pinned(src):
+        return "pageable_copy"
+    return None
+
+
+def _to_copy(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    src = args[0]
+    device = kwargs.get("device")
+    if device is None:
+        return None
+    dst_host = torch.device(device).type in _HOST
+    # torch allocates a pinned destination for a non-blocking device-to-host _to_copy
+    return _copy(dst_host, src, bool(kwargs.get("non_blocking")), lambda: True)
+
+
+def _copy_(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    dst, src = args[0], args[1]
+    if not isinstance(src, torch.Tensor):
+        return None
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    return _copy(dst.device.type in _HOST, src, non_blocking, lambda: _pinned(dst))
+
+
+_DISPATCH: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]] = {
+    _aten._local_scalar_dense.default: _scalar,
+    _aten.is_nonzero.default: _scalar,
+    _aten.equal.default: _scalar,
+    _aten.nonzero.default: _first("nonzero"),
+    _aten.masked_select.default: _first("masked_select"),
+    _aten._unique.default: _first("unique"),
+    _aten._unique2.default: _first("unique"),
+    _aten.unique_dim.default: _first("unique"),
+    _aten.unique_consecutive.default: _first("unique"),
+    _aten.unique_dim_consecutive.default: _first("unique"),
+    _aten.index.Tensor: _index,
+    _aten.index_put_.default: _index_put,
+    _aten.index_put.default: _index_put,
+    _aten._index_put_impl_.default: _index_put,
+    _aten.repeat_interleave.Tensor: _repeat,
+    _aten.repeat_interleave.self_Tensor: _repeat,
+    _aten._to_copy.default: _to_copy,
+    _aten.copy_.default: _copy_,
+}
+
+
+def _to_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """Target device and non_blocking of ``Tensor.to(...)`` in any of its three forms."""
+    device = kwargs.get("device")
+    non_blocking = kwargs.get("non_blocking", False)
+    rest = list(args[1:])
+    if rest:
+        first = rest.pop(0)
+        if isinstance(first, torch.Tensor):
+            device = first.device
+        elif isinstance(first, (str, int, torch.device)):
+            device = first
+            if rest and (rest[0] is None or isinstance(rest[0], torch.dtype)):
+                rest.pop(0)
+        if rest:
+            non_blocking = rest[0]
+    return device, bool(non_blocking)
+
+
+def _fn_to(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    src = args[0]
+    device, non_blocking = _to_args(args, kwargs)
+    if device is None or not isinstance(src, torch.Tensor):
+        return None
+    dst_host = torch.device(device).type in _HOST
+    if dst_host and src.device.type in _HOST:
+        # On a CPU-only run x.to("cpu") and x.to(device) are the same call; it is read as the
+        # host-to-device move portable code writes, which never synchronizes.
+        return None
+    return _copy(dst_host, src, non_blocking, lambda: True)
+
+
+def _fn_host(label: str) -> Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]:
+    def classify(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+        return label if args and _dev(args[0], assume) else None
+    return classify
+
+
+def _fn_format(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
+    return "print" if args and _dev(args[0], assume) else None
+
+
+_Tensor = torch.Tensor
+_FUNCTION: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]] = {
+    _Tensor.tolist: _fn_host("tolist"),
+    _Tensor.numpy: _fn_host("numpy"),
+    _Tensor.__array__: _fn_host("numpy"),
+    _Tensor.cpu: _fn_host("to_host"),
+    _Tensor.to: _fn_to,
+    _Tensor.__repr__: _fn_format,
+    _Tensor.__str__: _fn_format,
+    _Tensor.__format__: _fn_format,
+}
+
+Report = Callable[[str, str], bool]
+"""``report(label, operator)``: record a sync; True when the operation should still run (the
+guard raises from inside the callback in ``error`` mode)."""
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        self.quiet = 0  # > 0 inside an operation already classified at a higher level
+        self.modes: tuple[_FunctionMode, _DispatchMode] | None = None
+
+
+LOCAL = _Local()
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, active: Callable[[], Any], report: Report) -> None:
+        super().__init__()
+        self._active = active
+        self._report = report
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        classify = _FUNCTION.get(func)
+        if classify is None:
+            return func(*args, **kwargs)
+        local = LOCAL
+        scope = self._active()
+        if scope is not None and not local.quiet:
+            label = classify(args, kwargs, scope.assume_device)
+            if label is not None:
+                self._report(label, f"Tensor.{func.__name__}")
+        local.quiet += 1  # one report per user-level call: not again for its ATen operators
+        try:
+            return func(*args, **kwargs)
+        finally:
+            local.quiet -= 1
+
+
+class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, active: Callable[[], Any], report: Report) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._active = active
+        self._report = report
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        classify = _DISPATCH.get(func)
+        if classify is None or LOCAL.quiet:
+            return func(*args, **kwargs)
+        scope = self._active()
+        if scope is None:
+            return func(*args, **kwargs)
+        label = classify(args, kwargs, scope.assume_device)
+        if label is None:
+            return func(*args, **kwargs)
+        self._report(label, func._schema.name)
+        LOCAL.quiet += 1  # torch's own sync debug warning for this operator is the same sync
+        try:
+            return func(*args, **kwargs)
+        finally:
+            LOCAL.quiet -= 1
+
+
+def _on_stack(modes: tuple[_FunctionMode, _DispatchMode]) -> bool:
+    fstack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    return modes[0] in fstack and modes[1] in _get_current_dispatch_mode_stack()
+
+
+def push_modes(active: Callable[[], Any], report: Report) -> None:
+    """Enter the detector on this thread (nested entries share one pair of modes)."""
+    local = LOCAL
+    local.depth += 1
+    if local.modes is not None and (local.depth > 1 or _on_stack(local.modes)):
+        return  # nested, or left below a mode of the program's own last time: reuse it
+    fmode, dmode = _FunctionMode(active, report), _DispatchMode(active, report)
+    fmode.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        dmode.__enter__()  # type: ignore[no-untyped-call]
+    except BaseException:
+        fmode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        local.depth -= 1
+        raise
+    local.modes = (fmode, dmode)
+
+
+def pop_modes() -> None:
+    """Leave the detector on this thread; the last exit pops the modes when they are on top.
+
+    If the program pushed a mode of its own inside the guard and has not popped it yet, ours
+    stays below it, inert (it reports only inside an active guard), and is reused next time.
+    """
+    local = LOCAL
+    local.depth = max(0, local.depth - 1)
+    if local.depth or local.modes is None:
+        return
+    fmode, dmode = local.modes
+    stack = _get_current_dispatch_mode_stack()
+    fstack = torch.overrides._get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+    if stack and stack[-1] is dmode and fstack and fstack[-1] is fmode:
+        local.modes = None
+        try:
+            dmode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        finally:
+            fmode.__exit__(None, None, None)

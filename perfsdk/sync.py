@@ -1,0 +1,487 @@
+"""``no_sync_guard``: find host-device synchronizations and name the line of code behind each.
+
+A guard applies to its own context only (the thread, or the asyncio task, that entered it),
+nests, and restores what was there before, also on exceptions. It watches tensor operations
+with two torch modes pushed on the entering thread (see :mod:`perfsdk._syncops`), wraps the
+explicit ``synchronize`` calls while any guard is open, and, where the application runs CUDA,
+turns on torch's own sync debug mode with its warnings routed to the guard of the context they
+come from (and swallowed elsewhere).
+
+Example:
+    >>> import torch
+    >>> from perfsdk import no_sync_guard
+    >>> with no_sync_guard("count", assume_device=True) as guard:
+    ...     loss = torch.ones(3).sum()
+    ...     value = loss.item()
+    >>> guard.report.total, guard.report.sites[0].op
+    (1, 'item')
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import fnmatch
+import functools
+import inspect
+import linecache
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any, Literal, ParamSpec, TypeVar
+
+import torch
+
+from perfsdk import _device, _syncops
+from perfsdk import context as _ctx
+from perfsdk.config import state as _state
+from perfsdk.errors import SyncError, SyncWarning, warn_once
+from perfsdk.region import Region
+
+__all__ = ["OPS", "SyncError", "SyncReport", "SyncSite", "SyncWarning", "no_sync_guard",
+           "sites"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Mode = Literal["warn", "error", "count", "off"]
+MODES = ("warn", "error", "count", "off")
+OPS = _syncops.OPS
+MAX_SPAN_SITES = 16
+DEBUG_MESSAGE = "called a synchronizing CUDA operation"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSite:
+    """One call site: the user's ``file:line``, the kind of sync (a key of :data:`OPS`), the
+    operator that synchronized, and how often."""
+
+    file: str
+    line: int
+    op: str
+    operator: str
+    count: int
+    code: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncReport:
+    """What a guard saw: per call site, most frequent first, and the totals."""
+
+    sites: tuple[SyncSite, ...]
+    allowed: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(site.count for site in self.sites)
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(site) for site in self.sites]
+
+    def __str__(self) -> str:
+        return render(self.sites, allowed=self.allowed)
+
+
+def render(sites: Iterable[SyncSite], *, allowed: int = 0) -> str:
+    rows = list(sites)
+    total = sum(site.count for site in rows)
+    head = (f"host-device syncs: {total:,} at {len(rows)} call site"
+            f"{'' if len(rows) == 1 else 's'}")
+    if allowed:
+        head += f" ({allowed:,} more allowed)"
+    if not rows:
+        return head
+    count_w = max(5, *(len(f"{s.count:,}") for s in rows))
+    op_w = max(2, *(len(s.op) for s in rows))
+    lines = [head, f"{'count':>{count_w}}  {'op':<{op_w}}  where"]
+    for s in rows:
+        code = f"  | {s.code}" if s.code else ""
+        lines.append(f"{s.count:>{count_w},}  {s.op:<{op_w}}  {_short(s.file)}:{s.line}{code}")
+    return "\n".join(lines)
+
+
+def _short(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+# -- where a sync came from ---------------------------------------------------------------------
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_HERE = os.path.dirname(__file__) + os.sep
+# torch's stand-ins (the fake device) count as torch; perfsdk's other modules are callers
+_OURS = frozenset({__file__, _syncops.__file__, warnings.__file__, functools.__file__,
+                   _HERE + "testing.py", _HERE + "_fake_tensor.py"})
+
+
+def _call_site() -> tuple[str, int]:
+    """The innermost frame outside torch and this module: the line that asked for the sync.
+    perfsdk's other modules count as callers, so a sync of perfsdk's own shows up as one."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_TORCH_DIR) or name in _OURS or name.startswith("<frozen")):
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
+
+
+# -- per-guard state ---------------------------------------------------------------------------
+class _Frame:
+    __slots__ = ("assume_device", "guard", "live", "open", "parent", "token")
+
+    def __init__(self, guard: no_sync_guard, parent: _Frame | None, live: bool) -> None:
+        self.guard = guard
+        self.parent = parent
+        self.live = live
+        self.open = True
+        self.assume_device = guard.assume_device
+        self.token: contextvars.Token[_Frame | None] | None = None
+
+
+_ACTIVE: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
+    "perfsdk_sync_guard", default=None)
+
+
+def _active() -> _Frame | None:
+    """The innermost open, live guard of the current context."""
+    frame = _ACTIVE.get()
+    while frame is not None and not (frame.live and frame.open):
+        frame = frame.parent
+    return frame
+
+
+_lock = threading.Lock()
+_SITES: dict[tuple[str, int, str], list[Any]] = {}  # process-wide, for the summary
+_WARNED: set[tuple[str, int, str]] = set()
+
+
+def sites() -> tuple[SyncSite, ...]:
+    """Every sync any guard in this process has recorded, most frequent first."""
+    with _lock:
+        items = [SyncSite(f, ln, op, v[1], v[0], v[2]) for (f, ln, op), v in _SITES.items()]
+    return tuple(sorted(items, key=lambda s: (-s.count, s.file, s.line)))
+
+
+def reset() -> None:
+    """Forget the process-wide sites and which were warned about (for tests)."""
+    with _lock:
+        _SITES.clear()
+        _WARNED.clear()
+
+
+def _report(label: str, operator: str) -> bool:
+    """Record one sync for every open guard of this context; warn or raise per the innermost."""
+    frame = _active()
+    if frame is None:
+        return True
+    file, line = _call_site()
+    key = (file, line, label)
+    code = linecache.getline(file, line).strip()
+    innermost = frame.guard
+    counted: bool | None = None
+    while frame is not None:
+        if frame.live and frame.open:
+            took = frame.guard._take(key, operator, code)
+            counted = took if counted is None else counted
+        frame = frame.parent
+    if not counted:
+        return True  # allowed by the innermost guard
+    with _lock:
+        entry = _SITES.get(key)
+        if entry is None:
+            _SITES[key] = [1, operator, code]
+        else:
+            entry[0] += 1
+    _annotate_region(f"{_short(file)}:{line} {label}")
+    mode = innermost.mode
+    if mode == "error":
+        raise SyncError(_message(label, operator, file, line, code, "no_sync_guard('error')"),
+                        op=label, operator=operator, file=file, line=line)
+    if mode == "warn":
+        with _lock:
+            first = key not in _WARNED
+            _WARNED.add(key)
+        if first:
+            warnings.warn_explicit(_message(label, operator, file, line, code, None),
+                                   SyncWarning, file, line)
+    return True
+
+
+def _message(label: str, operator: str, file: str, line: int, code: str,
+             raised_by: str | None) -> str:
+    where = f"{_short(file)}:{line}"
+    text = f"host-device sync ({label}, {operator}) at {where}"
+    if code:
+        text += f": {code}"
+    text += f". Fix: {OPS.get(label, '')}."
+    if raised_by:
+        text += f" Raised by {raised_by}; allow it with allow=({label!r},) or ({where!r},)."
+    return text
+
+
+def _annotate_region(site: str) -> None:
+    span = _ctx.current_span()
+    if type(span) is not Region or not span.is_recording():
+        return
+    attrs = span._attributes or {}
+    span.set_attribute("perfsdk.syncs", int(attrs.get("perfsdk.syncs", 0)) + 1)
+    known = tuple(attrs.get("perfsdk.sync_sites", ()))
+    if site not in known and len(known) < MAX_SPAN_SITES:
+        span.set_attribute("perfsdk.sync_sites", (*known, site))
+
+
+# -- explicit synchronize calls, wrapped while any guard is open ---------------------------------
+def _explicit(original: Callable[..., Any], label: str, name: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def synchronize(*args: Any, **kwargs: Any) -> Any:
+        if _active() is None:
+            return original(*args, **kwargs)
+        _report(label, name)
+        _syncops.LOCAL.quiet += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _syncops.LOCAL.quiet -= 1
+    synchronize.__perfsdk_wrapped__ = original  # type: ignore[attr-defined]
+    return synchronize
+
+
+def _patch_targets() -> list[tuple[Any, str, str, str]]:
+    targets: list[tuple[Any, str, str, str]] = [
+        (torch.cuda, "synchronize", "synchronize", "torch.cuda.synchronize"),
+        (torch.cuda.Event, "synchronize", "event_synchronize", "Event.synchronize"),
+        (torch.cuda.Stream, "synchronize", "stream_synchronize", "Stream.synchronize"),
+    ]
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        targets.append((accelerator, "synchronize", "synchronize",
+                        "torch.accelerator.synchronize"))
+    return targets
+
+
+class _Shared:
+    """Process-wide pieces, installed by the first open guard and removed by the last."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.patched: list[tuple[Any, str, Any]] = []
+        self.backend: Any = None
+        self.prior_debug: int | None = None
+        self.showwarning: Any = None
+        self.filter: Any = None
+
+    def acquire(self) -> None:
+        with _lock:
+            self.users += 1
+            if self.users > 1:
+                return
+            for owner, attr, label, name in _patch_targets():
+                original = getattr(owner, attr)
+                setattr(owner, attr, _explicit(original, label, name))
+                self.patched.append((owner, attr, original))
+            self._start_debug_mode()
+
+    def release(self) -> None:
+        with _lock:
+            self.users -= 1
+            if self.users:
+                return
+            for owner, attr, original in reversed(self.patched):
+                setattr(owner, attr, original)
+            self.patched.clear()
+            self._stop_debug_mode()
+
+    def _start_debug_mode(self) -> None:
+        """Where the application runs CUDA, torch's sync debug mode sees syncs inside ops the
+        detector does not model; its warnings go to the guard of the context they come from."""
+        backend = _device.active()
+        if backend is None:
+            return
+        try:
+            prior = int(backend.get_sync_debug_mode())
+            if prior == 0:
+                backend.set_sync_debug_mode(1)
+        except Exception as exc:  # never break the program over an optional extra
+            warn_once("sync-debug-mode", f"perfsdk: torch's CUDA sync debug mode is not "
+                      f"available ({exc}); no_sync_guard uses its own detector only")
+            return
+        self.backend, self.prior_debug = backend, prior
+        self.showwarning = warnings.showwarning
+        warnings.showwarning = _showwarning
+        warnings.filterwarnings("always", message=DEBUG_MESSAGE, category=UserWarning)
+        self.filter = warnings.filters[0]
+
+    def _stop_debug_mode(self) -> None:
+        if self.backend is None:
+            return
+        try:
+            if self.prior_debug == 0:
+                self.backend.set_sync_debug_mode(0)
+        finally:
+            if warnings.showwarning is _showwarning:
+                warnings.showwarning = self.showwarning
+            if self.filter in warnings.filters:
+                warnings.filters.remove(self.filter)  # type: ignore[attr-defined]
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+            self.backend = self.prior_debug = self.filter = None
+
+
+SHARED = _Shared()
+
+
+def _showwarning(message: Any, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+    if issubclass(category, UserWarning) and DEBUG_MESSAGE in str(message):
+        if _syncops.LOCAL.quiet:
+            return  # the detector or an explicit wrapper already reported this sync
+        if _active() is not None:
+            _report("cuda", "cuda sync debug mode")
+            return
+        if SHARED.prior_debug == 0:
+            return  # perfsdk turned the debug mode on; other contexts did not ask for it
+    show = SHARED.showwarning or warnings._showwarning_orig  # type: ignore[attr-defined]
+    show(message, category, filename, lineno, file, line)
+
+
+# -- the guard ------------------------------------------------------------------------------
+class no_sync_guard:
+    """Report host-device synchronizations inside a ``with`` block or a decorated function.
+
+    Args:
+        mode: ``"warn"`` (one :class:`SyncWarning` per call site, the default), ``"error"``
+            (raise :class:`SyncError` at the offending line), ``"count"`` (record silently)
+            or ``"off"``.
+        assume_device: flag operations that *would* synchronize if their tensors were on a
+            GPU, so a CPU-only run catches them. Without it only real device tensors count.
+        allow: kinds of sync (keys of :data:`OPS`, such as ``"item"``) or call sites
+            (``"train.py:42"``, ``"*/data.py:*"``) that are known and accepted: they are counted
+            in ``report.allowed`` and never warned about or raised.
+
+    The innermost open guard decides what happens; every open guard of the context counts.
+    The guard object keeps a cumulative :attr:`report` over all its uses.
+    """
+
+    def __init__(self, mode: Mode = "warn", *, assume_device: bool = False,
+                 allow: Iterable[str] = ()) -> None:
+        if mode not in MODES:
+            raise ValueError(f"no_sync_guard: mode={mode!r}; accepted values are "
+                             f"{', '.join(repr(m) for m in MODES)}")
+        if not isinstance(assume_device, bool):
+            raise ValueError(f"no_sync_guard: assume_device={assume_device!r}; accepted values "
+                             "are True or False")
+        if isinstance(allow, str):
+            allow = (allow,)
+        self.allow = tuple(allow)
+        for item in self.allow:
+            if not isinstance(item, str) or not (item in OPS or ":" in item or ".py" in item):
+                raise ValueError(
+                    f"no_sync_guard: allow entry {item!r} is neither a kind of sync nor a call "
+                    f"site; accepted values are {', '.join(repr(k) for k in OPS)}, or a "
+                    "'file.py:line' pattern (wildcards allowed)")
+        self.mode: Mode = mode
+        self.assume_device = assume_device
+        self._ops = frozenset(i for i in self.allow if i in OPS)
+        self._patterns = tuple(i for i in self.allow if i not in OPS)
+        self._lock = threading.Lock()
+        self._sites: dict[tuple[str, int, str], list[Any]] = {}
+        self._allowed = 0
+
+    def _take(self, key: tuple[str, int, str], operator: str, code: str) -> bool:
+        """Count one sync; False (and counted as allowed) when ``allow`` accepts it."""
+        file, line, label = key
+        where = f"{file}:{line}"
+        allowed = label in self._ops or any(
+            fnmatch.fnmatch(where, p) or fnmatch.fnmatch(where, f"*{os.sep}{p}")
+            for p in self._patterns)
+        with self._lock:
+            if allowed:
+                self._allowed += 1
+                return False
+            entry = self._sites.get(key)
+            if entry is None:
+                self._sites[key] = [1, operator, code]
+            else:
+                entry[0] += 1
+        return True
+
+    @property
+    def report(self) -> SyncReport:
+        with self._lock:
+            items = [SyncSite(f, ln, op, v[1], v[0], v[2])
+                     for (f, ln, op), v in self._sites.items()]
+            allowed = self._allowed
+        items.sort(key=lambda s: (-s.count, s.file, s.line))
+        return SyncReport(tuple(items), allowed)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(v[0] for v in self._sites.values())
+
+    def __enter__(self) -> no_sync_guard:
+        parent = _ACTIVE.get()
+        live = (self.mode != "off" and _state.enabled
+                and not torch.compiler.is_compiling())
+        frame = _Frame(self, parent, live)
+        if live:
+            _syncops.push_modes(_active, _report)
+            try:
+                SHARED.acquire()
+            except BaseException:
+                _syncops.pop_modes()
+                raise
+        frame.token = _ACTIVE.set(frame)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        frame = _ACTIVE.get()
+        while frame is not None and frame.guard is not self:
+            frame = frame.parent  # exited out of order (a generator kept open): still unwind
+        if frame is None:
+            warn_once("sync-guard-exit", "perfsdk: no_sync_guard exited in a context that did "
+                      "not enter it; ignored")
+            return
+        frame.open = False
+        try:
+            assert frame.token is not None
+            _ACTIVE.reset(frame.token)
+        except ValueError:  # the token belongs to another context
+            _ACTIVE.set(frame.parent)
+        if frame.live:
+            try:
+                SHARED.release()
+            finally:
+                _syncops.pop_modes()
+
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """Use as a decorator: each call of ``fn`` (sync or async) runs inside the guard."""
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                with self:
+                    return await fn(*args, **kwargs)
+            return run_async  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return fn(*args, **kwargs)
+        return run
+
+    def __repr__(self) -> str:
+        return (f"no_sync_guard({self.mode!r}, assume_device={self.assume_device}, "
+                f"allow={self.allow!r})")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=reset)
