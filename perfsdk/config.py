@@ -34,7 +34,9 @@ __all__ = [
     "PERFSDK_OUTPUT_DIR",
     "PERFSDK_SAMPLE_EVERY",
     "PERFSDK_SERVICE_NAME",
+    "PERFSDK_SYNC_GUARD",
     "PERFSDK_TIMING",
+    "SYNC_GUARD_MODES",
     "Config",
     "configure",
     "get_config",
@@ -94,6 +96,14 @@ PERFSDK_EXPORT_TIMEOUT: Final = "PERFSDK_EXPORT_TIMEOUT"
 """Seconds that :func:`perfsdk.flush` and :func:`perfsdk.shutdown` (and so interpreter exit) wait
 at most for exporters, a float > 0. Default ``5``. An unreachable collector never hangs exit."""
 
+PERFSDK_SYNC_GUARD: Final = "PERFSDK_SYNC_GUARD"
+"""Override the mode of every :func:`perfsdk.no_sync_guard`: ``off``, ``count``, ``warn`` or
+``error``. Default: unset (each guard keeps its own mode). Leave guards in the code and set
+``error`` in CI, ``off`` in production."""
+
+SYNC_GUARD_MODES: Final = ("off", "count", "warn", "error")
+"""The accepted values of :data:`PERFSDK_SYNC_GUARD` and of ``configure(sync_guard=...)``."""
+
 EXPORTERS: Final = ("otlp", "console", "file", "none")
 """The accepted values of :data:`PERFSDK_EXPORTER` and of ``configure(exporter=...)``."""
 
@@ -118,6 +128,7 @@ class Config:
     gpu_sample_interval_s: float = 0.1
     service_name: str = "perfsdk"
     export_timeout_s: float = 5.0
+    sync_guard: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -141,6 +152,7 @@ class Config:
             export_timeout_s=_env(
                 env, PERFSDK_EXPORT_TIMEOUT, _parse_timeout, default.export_timeout_s
             ),
+            sync_guard=_env(env, PERFSDK_SYNC_GUARD, _parse_sync_guard, default.sync_guard),
         )
 
 
@@ -240,6 +252,16 @@ def _parse_timeout(raw: str | float) -> float:
     return value
 
 
+def _parse_sync_guard(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    value = raw.strip().lower() if isinstance(raw, str) else raw
+    if value not in SYNC_GUARD_MODES:
+        raise ValueError(f"accepted values are None (each guard's own mode) or "
+                         f"{', '.join(repr(m) for m in SYNC_GUARD_MODES)}")
+    return str(value)
+
+
 def _parse_interval(raw: str | float) -> float:
     try:
         value = float(raw)
@@ -288,6 +310,7 @@ def configure(
     gpu_sample_interval_s: float = _UNSET,
     service_name: str = _UNSET,
     export_timeout_s: float = _UNSET,
+    sync_guard: str | None = _UNSET,
 ) -> Config:
     """Change perfsdk's settings; arguments left out keep their current value.
 
@@ -304,6 +327,8 @@ def configure(
         gpu_sample_interval_s: seconds between NVML readings; 0 turns GPU sampling off.
         service_name: ``service.name`` of perfsdk's OpenTelemetry resource.
         export_timeout_s: the longest :func:`perfsdk.flush` / exit waits for exporters.
+        sync_guard: the mode every :func:`perfsdk.no_sync_guard` uses (``off``, ``count``,
+            ``warn``, ``error``), or None to let each guard keep its own.
 
     Raises:
         ValueError: an argument has a value outside those accepted; the message names both.
@@ -332,6 +357,7 @@ def configure(
         ("export_timeout_s", "export_timeout_s", export_timeout_s, _parse_timeout),
         ("gpu_sample_interval_s", "gpu_sample_interval_s", gpu_sample_interval_s,
          _parse_interval),
+        ("sync_guard", "sync_guard", sync_guard, _parse_sync_guard),
     )
     for arg, field, value, parse in parsers:
         if value is _UNSET:

@@ -36,6 +36,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 import torch
 
 from perfsdk import _device, _syncops
+from perfsdk import config as _config
 from perfsdk import context as _ctx
 from perfsdk.config import state as _state
 from perfsdk.errors import SyncError, SyncWarning, warn_once
@@ -136,11 +137,13 @@ def _call_site() -> tuple[str, int]:
 
 # -- per-guard state ---------------------------------------------------------------------------
 class _Frame:
-    __slots__ = ("assume_device", "guard", "live", "open", "parent", "token")
+    __slots__ = ("assume_device", "guard", "live", "mode", "open", "parent", "token")
 
-    def __init__(self, guard: no_sync_guard, parent: _Frame | None, live: bool) -> None:
+    def __init__(self, guard: no_sync_guard, parent: _Frame | None, mode: str, live: bool
+                 ) -> None:
         self.guard = guard
         self.parent = parent
+        self.mode = mode
         self.live = live
         self.open = True
         self.assume_device = guard.assume_device
@@ -186,7 +189,7 @@ def _report(label: str, operator: str) -> bool:
     file, line = _call_site()
     key = (file, line, label)
     code = linecache.getline(file, line).strip()
-    innermost = frame.guard
+    mode = frame.mode
     counted: bool | None = None
     while frame is not None:
         if frame.live and frame.open:
@@ -202,7 +205,6 @@ def _report(label: str, operator: str) -> bool:
         else:
             entry[0] += 1
     _annotate_region(f"{_short(file)}:{line} {label}")
-    mode = innermost.mode
     if mode == "error":
         raise SyncError(_message(label, operator, file, line, code, "no_sync_guard('error')"),
                         op=label, operator=operator, file=file, line=line)
@@ -367,7 +369,9 @@ class no_sync_guard:
             in ``report.allowed`` and never warned about or raised.
 
     The innermost open guard decides what happens; every open guard of the context counts.
-    The guard object keeps a cumulative :attr:`report` over all its uses.
+    The guard object keeps a cumulative :attr:`report` over all its uses. ``PERFSDK_SYNC_GUARD``
+    (or ``configure(sync_guard=...)``) overrides ``mode`` for every guard, so guards can stay in
+    the code: ``error`` in CI, ``off`` in production. With perfsdk disabled a guard does nothing.
     """
 
     def __init__(self, mode: Mode = "warn", *, assume_device: bool = False,
@@ -429,9 +433,9 @@ class no_sync_guard:
 
     def __enter__(self) -> no_sync_guard:
         parent = _ACTIVE.get()
-        live = (self.mode != "off" and _state.enabled
-                and not torch.compiler.is_compiling())
-        frame = _Frame(self, parent, live)
+        mode = _config.get_config().sync_guard or self.mode  # PERFSDK_SYNC_GUARD wins
+        live = mode != "off" and _state.enabled and not torch.compiler.is_compiling()
+        frame = _Frame(self, parent, mode, live)
         if live:
             _syncops.push_modes(_active, _report)
             try:

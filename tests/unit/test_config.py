@@ -31,6 +31,8 @@ def test_defaults_with_empty_environment():
         ("PERFSDK_ENABLED", "off", "enabled", False),
         ("PERFSDK_ENABLED", " FALSE ", "enabled", False),
         ("PERFSDK_ENABLED", "yes", "enabled", True),
+        ("PERFSDK_SYNC_GUARD", " Error ", "sync_guard", "error"),
+        ("PERFSDK_SYNC_GUARD", "off", "sync_guard", "off"),
         ("PERFSDK_EXPORTER", "otlp", "exporters", ("otlp",)),
         ("PERFSDK_EXPORTER", "console, FILE", "exporters", ("console", "file")),
         ("PERFSDK_EXPORTER", "file,otlp,file", "exporters", ("file", "otlp")),
@@ -93,6 +95,7 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
         ("PERFSDK_SAMPLE_EVERY", "0", "sample_every", "integers >= 1"),
         ("PERFSDK_SAMPLE_EVERY", "2.5", "sample_every", "integers >= 1"),
         ("PERFSDK_NVTX", "2", "nvtx", "1/0, true/false"),
+        ("PERFSDK_SYNC_GUARD", "strict", "sync_guard", "'off', 'count', 'warn', 'error'"),
         ("PERFSDK_EXPORT_TIMEOUT", "-1", "export_timeout_s", "seconds > 0"),
         ("PERFSDK_EXPORT_TIMEOUT", "soon", "export_timeout_s", "seconds > 0"),
     ],
@@ -221,6 +224,7 @@ def test_reset_from_env_forgets_configure(monkeypatch):
         ({"exporter": ""}, "exporter", "otlp, console, file, none"),
         ({"exporter": "none,console"}, "exporter", "'none' cannot be combined"),
         ({"sample_every": 0}, "sample_every", "integers >= 1"),
+        ({"sync_guard": "loud"}, "sync_guard", "'off', 'count', 'warn', 'error'"),
         ({"sample_every": -3}, "sample_every", "integers >= 1"),
         ({"sample_every": True}, "sample_every", "integers >= 1"),
         ({"sample_every": "many"}, "sample_every", "integers >= 1"),
@@ -256,6 +260,7 @@ def test_every_variable_is_a_documented_constant():
         "PERFSDK_ENABLED", "PERFSDK_EXPORTER", "PERFSDK_OUTPUT_DIR", "PERFSDK_SAMPLE_EVERY",
         "PERFSDK_NVTX", "PERFSDK_SERVICE_NAME", "PERFSDK_EXPORT_TIMEOUT", "PERFSDK_TIMING",
         "PERFSDK_MEMORY", "PERFSDK_MEMORY_SNAPSHOTS", "PERFSDK_GPU_SAMPLE_INTERVAL",
+        "PERFSDK_SYNC_GUARD",
     ])
     for name in names:
         assert getattr(config, name) == name
