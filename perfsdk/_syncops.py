@@ -271,10 +271,11 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if scope is None:
             return func(*args, **kwargs)
         label = classify(args, kwargs, scope.assume_device)
-        if label is None:
-            return func(*args, **kwargs)
-        self._report(label, func._schema.name)
-        LOCAL.quiet += 1  # torch's own sync debug warning for this operator is the same sync
+        if label is not None:
+            self._report(label, func._schema.name)
+        # Decided here either way: torch's sync debug mode must not second-guess it (a
+        # blocking host-to-device copy waits on the stream, but is how a GPU is fed).
+        LOCAL.quiet += 1
         try:
             return func(*args, **kwargs)
         finally:
