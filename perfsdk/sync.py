@@ -123,16 +123,28 @@ _OURS = frozenset({__file__, _syncops.__file__, warnings.__file__, functools.__f
                    _HERE + "testing.py", _HERE + "_fake_tensor.py"})
 
 
-def _call_site() -> tuple[str, int]:
-    """The innermost frame outside torch and this module: the line that asked for the sync.
-    perfsdk's other modules count as callers, so a sync of perfsdk's own shows up as one."""
+# torch code that reads host-side tensors by design (seeds, step counters): with assume_device
+# a CPU tensor there stands for nothing on a GPU, so it is not reported
+_HOST_SIDE_DIRS = (os.path.join(_TORCH_DIR, "utils", "data") + os.sep,)
+_HOST_SIDE_FUNCS = frozenset({(os.path.join(_TORCH_DIR, "optim", "optimizer.py"), "_get_value")})
+
+
+def _call_site() -> tuple[str, int, bool]:
+    """The innermost frame outside torch and this module: the line that asked for the sync,
+    and whether torch's host-side bookkeeping lies between. perfsdk's other modules count as
+    callers, so a sync of perfsdk's own shows up as one."""
     frame: Any = sys._getframe(2)
+    host_side = False
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name in _OURS or name.startswith("<frozen")):
-            return name, frame.f_lineno
+        code = frame.f_code
+        name = code.co_filename
+        if name.startswith(_TORCH_DIR):
+            host_side = host_side or name.startswith(_HOST_SIDE_DIRS) or (
+                (name, code.co_name) in _HOST_SIDE_FUNCS)
+        elif not (name in _OURS or name.startswith("<frozen")):
+            return name, frame.f_lineno, host_side
         frame = frame.f_back
-    return "<unknown>", 0
+    return "<unknown>", 0, host_side
 
 
 # -- per-guard state ---------------------------------------------------------------------------
@@ -186,7 +198,9 @@ def _report(label: str, operator: str) -> bool:
     frame = _active()
     if frame is None:
         return True
-    file, line = _call_site()
+    file, line, host_side = _call_site()
+    if host_side and frame.assume_device:
+        return True  # a CPU tensor that is host-side by design (a DataLoader seed, a step count)
     key = (file, line, label)
     code = linecache.getline(file, line).strip()
     mode = frame.mode
@@ -469,6 +483,11 @@ class no_sync_guard:
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         """Use as a decorator: each call of ``fn`` (sync or async) runs inside the guard."""
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise ValueError(
+                f"no_sync_guard cannot decorate the generator function {fn.__qualname__!r}: "
+                "the guard would close before the first item; accepted are plain and async "
+                "functions (use `with no_sync_guard(...):` inside the generator instead)")
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
@@ -487,5 +506,15 @@ class no_sync_guard:
                 f"allow={self.allow!r})")
 
 
+def _after_fork() -> None:
+    """A child forked inside a guard (a DataLoader worker) is not the guarded code: close the
+    guards it inherited, so its CPU-side work is neither reported nor stopped."""
+    frame = _ACTIVE.get()
+    while frame is not None:
+        frame.open = False
+        frame = frame.parent
+    reset()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=reset)
+    os.register_at_fork(after_in_child=_after_fork)
