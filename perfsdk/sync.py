@@ -35,7 +35,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
-from perfsdk import _device, _syncops
+from perfsdk import _syncdebug, _syncops
 from perfsdk import config as _config
 from perfsdk import context as _ctx
 from perfsdk.config import state as _state
@@ -51,7 +51,6 @@ Mode = Literal["warn", "error", "count", "off"]
 MODES = ("warn", "error", "count", "off")
 OPS = _syncops.OPS
 MAX_SPAN_SITES = 16
-DEBUG_MESSAGE = "called a synchronizing CUDA operation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +118,8 @@ def _short(path: str) -> str:
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(__file__) + os.sep
 # torch's stand-ins (the fake device) count as torch; perfsdk's other modules are callers
-_OURS = frozenset({__file__, _syncops.__file__, warnings.__file__, functools.__file__,
+_OURS = frozenset({__file__, _syncops.__file__, _syncdebug.__file__, warnings.__file__,
+                   functools.__file__,
                    _HERE + "testing.py", _HERE + "_fake_tensor.py"})
 
 
@@ -255,119 +255,6 @@ def _annotate_region(site: str) -> None:
         span.set_attribute("perfsdk.sync_sites", (*known, site))
 
 
-# -- explicit synchronize calls, wrapped while any guard is open ---------------------------------
-def _explicit(original: Callable[..., Any], label: str, name: str) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def synchronize(*args: Any, **kwargs: Any) -> Any:
-        if _active() is None:
-            return original(*args, **kwargs)
-        _report(label, name)
-        _syncops.LOCAL.quiet += 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _syncops.LOCAL.quiet -= 1
-    synchronize.__perfsdk_wrapped__ = original  # type: ignore[attr-defined]
-    return synchronize
-
-
-def _patch_targets() -> list[tuple[Any, str, str, str]]:
-    targets: list[tuple[Any, str, str, str]] = [
-        (torch.cuda, "synchronize", "synchronize", "torch.cuda.synchronize"),
-        (torch.cuda.Event, "synchronize", "event_synchronize", "Event.synchronize"),
-        (torch.cuda.Stream, "synchronize", "stream_synchronize", "Stream.synchronize"),
-    ]
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "synchronize"):
-        targets.append((accelerator, "synchronize", "synchronize",
-                        "torch.accelerator.synchronize"))
-    return targets
-
-
-class _Shared:
-    """Process-wide pieces, installed by the first open guard and removed by the last."""
-
-    def __init__(self) -> None:
-        self.users = 0
-        self.patched: list[tuple[Any, str, Any]] = []
-        self.backend: Any = None
-        self.prior_debug: int | None = None
-        self.showwarning: Any = None
-        self.filter: Any = None
-
-    def acquire(self) -> None:
-        with _lock:
-            self.users += 1
-            if self.users > 1:
-                return
-            for owner, attr, label, name in _patch_targets():
-                original = getattr(owner, attr)
-                setattr(owner, attr, _explicit(original, label, name))
-                self.patched.append((owner, attr, original))
-            self._start_debug_mode()
-
-    def release(self) -> None:
-        with _lock:
-            self.users -= 1
-            if self.users:
-                return
-            for owner, attr, original in reversed(self.patched):
-                setattr(owner, attr, original)
-            self.patched.clear()
-            self._stop_debug_mode()
-
-    def _start_debug_mode(self) -> None:
-        """Where the application runs CUDA, torch's sync debug mode sees syncs inside ops the
-        detector does not model; its warnings go to the guard of the context they come from."""
-        backend = _device.active()
-        if backend is None:
-            return
-        try:
-            prior = int(backend.get_sync_debug_mode())
-            if prior == 0:
-                backend.set_sync_debug_mode(1)
-        except Exception as exc:  # never break the program over an optional extra
-            warn_once("sync-debug-mode", f"perfsdk: torch's CUDA sync debug mode is not "
-                      f"available ({exc}); no_sync_guard uses its own detector only")
-            return
-        self.backend, self.prior_debug = backend, prior
-        self.showwarning = warnings.showwarning
-        warnings.showwarning = _showwarning
-        warnings.filterwarnings("always", message=DEBUG_MESSAGE, category=UserWarning)
-        self.filter = warnings.filters[0]
-
-    def _stop_debug_mode(self) -> None:
-        if self.backend is None:
-            return
-        try:
-            if self.prior_debug == 0:
-                self.backend.set_sync_debug_mode(0)
-        finally:
-            if warnings.showwarning is _showwarning:
-                warnings.showwarning = self.showwarning
-            if self.filter in warnings.filters:
-                warnings.filters.remove(self.filter)  # type: ignore[attr-defined]
-                warnings._filters_mutated()  # type: ignore[attr-defined]
-            self.backend = self.prior_debug = self.filter = None
-
-
-SHARED = _Shared()
-
-
-def _showwarning(message: Any, category: type[Warning], filename: str, lineno: int,
-                 file: Any = None, line: str | None = None) -> None:
-    if issubclass(category, UserWarning) and DEBUG_MESSAGE in str(message):
-        if _syncops.LOCAL.quiet:
-            return  # the detector or an explicit wrapper already reported this sync
-        if _active() is not None:
-            _report("cuda", "cuda sync debug mode")
-            return
-        if SHARED.prior_debug == 0:
-            return  # perfsdk turned the debug mode on; other contexts did not ask for it
-    show = SHARED.showwarning or warnings._showwarning_orig  # type: ignore[attr-defined]
-    show(message, category, filename, lineno, file, line)
-
-
 # -- the guard ------------------------------------------------------------------------------
 class no_sync_guard:
     """Report host-device synchronizations inside a ``with`` block or a decorated function.
@@ -453,7 +340,7 @@ class no_sync_guard:
         if live:
             _syncops.push_modes(_active, _report)
             try:
-                SHARED.acquire()
+                _syncdebug.SHARED.acquire()
             except BaseException:
                 _syncops.pop_modes()
                 raise
@@ -477,9 +364,16 @@ class no_sync_guard:
             _ACTIVE.set(frame.parent)
         if frame.live:
             try:
-                SHARED.release()
+                _syncdebug.SHARED.release()
             finally:
                 _syncops.pop_modes()
+
+    async def __aenter__(self) -> no_sync_guard:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         """Use as a decorator: each call of ``fn`` (sync or async) runs inside the guard."""
@@ -516,5 +410,6 @@ def _after_fork() -> None:
     reset()
 
 
+_syncdebug.connect(_active, _report)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
