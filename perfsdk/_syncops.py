@@ -144,6 +144,7 @@ _DISPATCH: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | Non
     _aten._local_scalar_dense.default: _scalar,
     _aten.is_nonzero.default: _scalar,
     _aten.equal.default: _scalar,
+    _aten.allclose.default: _scalar,
     _aten.nonzero.default: _first("nonzero"),
     _aten.masked_select.default: _first("masked_select"),
     _aten._unique.default: _first("unique"),
@@ -215,9 +216,21 @@ _FUNCTION: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | Non
     _Tensor.__format__: _fn_format,
 }
 
-Report = Callable[[str, str], bool]
-"""``report(label, operator)``: record a sync; True when the operation should still run (the
-guard raises from inside the callback in ``error`` mode)."""
+Report = Callable[[str, str, bool], bool]
+"""``report(label, operator, real)``: record a sync (``real``: it is one without
+``assume_device`` too); the guard raises from inside the callback in ``error`` mode."""
+
+
+def _classify(classify: Callable[[tuple[Any, ...], dict[str, Any], bool], str | None],
+              args: tuple[Any, ...], kwargs: dict[str, Any], scope: Any
+              ) -> tuple[str | None, bool]:
+    """The label under the widest ``assume_device`` of the open guards, and whether the sync
+    is real (a guard without ``assume_device`` counts only those)."""
+    assume = scope.assume_any
+    label = classify(args, kwargs, assume)
+    if label is None or not assume:
+        return label, True
+    return label, classify(args, kwargs, False) is not None
 
 
 class _Local(threading.local):
@@ -245,9 +258,9 @@ class _FunctionMode(TorchFunctionMode):
         local = LOCAL
         scope = self._active()
         if scope is not None and not local.quiet:
-            label = classify(args, kwargs, scope.assume_device)
+            label, real = _classify(classify, args, kwargs, scope)
             if label is not None:
-                self._report(label, f"Tensor.{func.__name__}")
+                self._report(label, f"Tensor.{func.__name__}", real)
         local.quiet += 1  # one report per user-level call: not again for its ATen operators
         try:
             return func(*args, **kwargs)
@@ -270,9 +283,9 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         scope = self._active()
         if scope is None:
             return func(*args, **kwargs)
-        label = classify(args, kwargs, scope.assume_device)
+        label, real = _classify(classify, args, kwargs, scope)
         if label is not None:
-            self._report(label, func._schema.name)
+            self._report(label, func._schema.name, real)
         # Decided here either way: torch's sync debug mode must not second-guess it (a
         # blocking host-to-device copy waits on the stream, but is how a GPU is fed).
         LOCAL.quiet += 1

@@ -149,7 +149,8 @@ def _call_site() -> tuple[str, int, bool]:
 
 # -- per-guard state ---------------------------------------------------------------------------
 class _Frame:
-    __slots__ = ("assume_device", "guard", "live", "mode", "open", "parent", "token")
+    __slots__ = ("assume_any", "assume_device", "guard", "live", "mode", "open", "parent",
+                 "token")
 
     def __init__(self, guard: no_sync_guard, parent: _Frame | None, mode: str, live: bool
                  ) -> None:
@@ -159,6 +160,9 @@ class _Frame:
         self.live = live
         self.open = True
         self.assume_device = guard.assume_device
+        outer = _active_from(parent)
+        # the detector classifies once, for the widest setting of the open guards
+        self.assume_any: bool = self.assume_device or (outer is not None and outer.assume_any)
         self.token: contextvars.Token[_Frame | None] | None = None
 
 
@@ -166,12 +170,15 @@ _ACTIVE: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
     "perfsdk_sync_guard", default=None)
 
 
-def _active() -> _Frame | None:
-    """The innermost open, live guard of the current context."""
-    frame = _ACTIVE.get()
+def _active_from(frame: _Frame | None) -> _Frame | None:
     while frame is not None and not (frame.live and frame.open):
         frame = frame.parent
     return frame
+
+
+def _active() -> _Frame | None:
+    """The innermost open, live guard of the current context."""
+    return _active_from(_ACTIVE.get())
 
 
 _lock = threading.Lock()
@@ -193,25 +200,29 @@ def reset() -> None:
         _WARNED.clear()
 
 
-def _report(label: str, operator: str) -> bool:
-    """Record one sync for every open guard of this context; warn or raise per the innermost."""
+def _report(label: str, operator: str, real: bool = True) -> bool:
+    """Record one sync for every open guard of this context that counts it (a guard without
+    ``assume_device`` counts real ones only); the innermost of those decides: allow, warn or
+    raise."""
     frame = _active()
     if frame is None:
         return True
     file, line, host_side = _call_site()
-    if host_side and frame.assume_device:
+    if host_side and not real:
         return True  # a CPU tensor that is host-side by design (a DataLoader seed, a step count)
     key = (file, line, label)
     code = linecache.getline(file, line).strip()
-    mode = frame.mode
-    counted: bool | None = None
+    decider: _Frame | None = None
+    counted = False
     while frame is not None:
-        if frame.live and frame.open:
+        if frame.live and frame.open and (real or frame.assume_device):
             took = frame.guard._take(key, operator, code)
-            counted = took if counted is None else counted
+            if decider is None:
+                decider, counted = frame, took
         frame = frame.parent
-    if not counted:
-        return True  # allowed by the innermost guard
+    if decider is None or not counted:
+        return True  # no guard here counts it, or the deciding guard allows it
+    mode = decider.mode
     with _lock:
         entry = _SITES.get(key)
         if entry is None:
