@@ -4,6 +4,7 @@ readings. Everything here runs on the pipeline thread; the caller's hot path nev
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,13 @@ class GpuTelemetry:
         """While sampling: GPU readings over a region's host window (span attributes)."""
         self._interval = 0.0
         self._gave_up = False
+        self._lock = threading.Lock()  # ticks come from the pipeline thread and from tests
 
     def tick(self) -> None:
+        with self._lock:
+            self._tick()
+
+    def _tick(self) -> None:
         interval = get_config().gpu_sample_interval_s
         if self.sampler is not None and interval != self._interval:
             self._stop(2.0)  # the interval changed: start again with the new one
