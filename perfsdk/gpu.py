@@ -43,6 +43,8 @@ class GpuTelemetry:
             return
         if not _device.initialized():  # perfsdk never initializes CUDA itself
             return
+        if self.nvml is None and not isinstance(_device.get_backend(), _device.TorchCuda):
+            return  # a fake device (perfsdk.testing) has no real GPU for NVML to read
         options: dict[str, Any] = {"nvml": self.nvml, "device_uuids": self.device_uuids}
         if self.clock is not None:
             options["clock"] = self.clock

@@ -99,10 +99,12 @@ def render(sites: Iterable[SyncSite], *, allowed: int = 0) -> str:
         return head
     count_w = max(5, *(len(f"{s.count:,}") for s in rows))
     op_w = max(2, *(len(s.op) for s in rows))
+    wheres = [f"{_short(s.file)}:{s.line}" for s in rows]
+    where_w = max(5, *(len(w) for w in wheres))
     lines = [head, f"{'count':>{count_w}}  {'op':<{op_w}}  where"]
-    for s in rows:
-        code = f"  | {s.code}" if s.code else ""
-        lines.append(f"{s.count:>{count_w},}  {s.op:<{op_w}}  {_short(s.file)}:{s.line}{code}")
+    for s, where in zip(rows, wheres, strict=True):
+        text = f"{s.count:>{count_w},}  {s.op:<{op_w}}  {where:<{where_w}}"
+        lines.append(f"{text}  | {s.code}" if s.code else text.rstrip())
     return "\n".join(lines)
 
 

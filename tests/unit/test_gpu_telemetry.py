@@ -118,3 +118,12 @@ def test_metric_gauges_read_the_running_sampler(fake_cuda, telemetry):
     configure(gpu_sample_interval_s=0.01)
     telemetry.tick()
     assert wait_until(lambda: METRICS.gpu_readings().get(0, {}).get("power_w") == 42.0)
+
+
+def test_a_fake_device_without_a_fake_nvml_is_not_sampled(fake_cuda, telemetry):
+    """perfsdk.testing's fake GPU has nothing for the real NVML to read: no sampler, no
+    'NVML could not start' warning in users' tests."""
+    configure(gpu_sample_interval_s=0.01)
+    telemetry.tick()
+    assert telemetry.sampler is None
+    assert "nvml-unavailable" not in errors.counts()
