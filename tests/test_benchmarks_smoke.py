@@ -6,15 +6,12 @@ are measurements, reported PASS/FAIL by the benchmark itself.
 
 from __future__ import annotations
 
-import json
-import math
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_run import REPO_ROOT, positive, run_quick
+
 SCRIPT = REPO_ROOT / "benchmarks" / "overhead.py"
 
 VARIANTS = {
@@ -30,17 +27,7 @@ TARGETS = {
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "x.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--output", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return json.loads(out.read_text()), proc.stdout
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return run_quick(SCRIPT, tmp_path_factory.mktemp("bench") / "x.json")
 
 
 def test_every_variant_has_positive_timings(quick_run):
@@ -50,11 +37,11 @@ def test_every_variant_has_positive_timings(quick_run):
         for measure in ("ns_per_call", "thread_cpu_ns_per_call"):
             stats = v[measure]
             for key in ("median", "p10", "p90"):
-                assert _positive(stats[key]), (name, measure, key, stats)
+                assert positive(stats[key]), (name, measure, key, stats)
             assert stats["p10"] <= stats["median"] <= stats["p90"], (name, measure, stats)
             assert len(stats["samples"]) == v["repeats"] == result["settings"]["repeats"]
-        assert _positive(v["ratio_vs_bare"]), name
-        assert _positive(v["ratio_vs_wraps"]), name
+        assert positive(v["ratio_vs_bare"]), name
+        assert positive(v["ratio_vs_wraps"]), name
     assert result["variants"]["bare"]["ratio_vs_bare"] == 1.0
     assert result["variants"]["wraps"]["ratio_vs_wraps"] == 1.0
 
@@ -75,7 +62,7 @@ def test_whole_cost_counts_every_span(quick_run):
     assert set(whole) == {"full", "otel"}
     calls = result["settings"]["whole_calls"]
     for name, w in whole.items():
-        assert _positive(w["ns_per_call"]["median"]), name
+        assert positive(w["ns_per_call"]["median"]), name
         assert w["spans_exported"] == [calls] * result["settings"]["whole_repeats"], name
         assert w["complete"] is True, name
 

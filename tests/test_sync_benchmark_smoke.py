@@ -6,15 +6,13 @@ positive finite timings, the guard seeing exactly the syncs each loop makes), ne
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_run import REPO_ROOT, positive, run_quick
+
 SCRIPT = REPO_ROOT / "benchmarks" / "sync_guard.py"
 
 GUARDED = {"none", "off", "count", "warn", "count_assume", "modes"}
@@ -29,17 +27,7 @@ HEADLINE = {
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "sync_guard.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--output", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return json.loads(out.read_text()), proc.stdout
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return run_quick(SCRIPT, tmp_path_factory.mktemp("bench") / "sync_guard.json")
 
 
 def test_every_workload_and_variant_has_positive_timings(quick_run):
@@ -51,10 +39,10 @@ def test_every_workload_and_variant_has_positive_timings(quick_run):
             for measure in ("wall_ns", "thread_cpu_ns"):
                 stats = v[measure]
                 for key in ("median", "p10", "p90"):
-                    assert _positive(stats[key]), (workload, name, measure, key, stats)
+                    assert positive(stats[key]), (workload, name, measure, key, stats)
                 assert stats["p10"] <= stats["median"] <= stats["p90"], (workload, name, stats)
                 assert len(stats["samples"]) == v["repeats"] == repeats
-            assert _positive(v["ratio_vs_none"]), (workload, name)
+            assert positive(v["ratio_vs_none"]), (workload, name)
             assert math.isfinite(v["added_ns"]), (workload, name)
         assert w["variants"]["none"]["ratio_vs_none"] == 1.0
         assert w["variants"]["none"]["added_ns"] == 0.0
@@ -77,7 +65,7 @@ def test_headline_and_context(quick_run):
     result, stdout = quick_run
     assert set(result["headline"]) == HEADLINE
     assert all(math.isfinite(v) for v in result["headline"].values()), result["headline"]
-    assert _positive(result["headline"]["mlp_none_ms_per_step"])
+    assert positive(result["headline"]["mlp_none_ms_per_step"])
     assert result["settings"]["quick"] is True
     assert result["settings"]["mlp"]["batch"] == 32
     assert result["settings"]["mlp"]["hidden"] == 256
