@@ -1,0 +1,1 @@
+"""Act on what was measured: model transforms, optimize(), TrainStep, DataLoader tuning."""
