@@ -1,0 +1,36 @@
+"""What the ``apply_*`` transforms did to a module, recorded on the module itself.
+
+Each transform calls :func:`mark` once it changed the model; :func:`applied` reads the record.
+The record lives in the module's ``__dict__`` (not a registered attribute), so it travels with
+``copy.deepcopy`` and pickling and never appears in ``state_dict()``.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2)
+    >>> mark(model, "amp", dtype="bfloat16")
+    >>> applied(model)
+    {'amp': {'dtype': 'bfloat16'}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["applied", "mark"]
+
+_KEY = "_perfsdk_applied"
+
+
+def mark(model: nn.Module, name: str, **options: Any) -> None:
+    """Record that transform ``name`` was applied to ``model`` with ``options`` (replacing an
+    earlier record of the same name)."""
+    model.__dict__.setdefault(_KEY, {})[name] = dict(options)
+
+
+def applied(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The transforms applied to ``model``, by name, with their options (a copy; ``{}`` when
+    none)."""
+    record: dict[str, dict[str, Any]] = model.__dict__.get(_KEY, {})
+    return {name: dict(options) for name, options in record.items()}
