@@ -9,16 +9,26 @@ perfsdk or running a region on a CPU-only job cannot poison a later ``fork``.
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaBackend", "Event", "Stream", "active", "get_backend", "set_backend"]
+__all__ = ["CudaBackend", "Event", "Graph", "Stream", "active", "get_backend", "set_backend"]
 
 
 class Stream(Protocol):
     def synchronize(self) -> None: ...
     def query(self) -> bool: ...
+    def wait_stream(self, stream: Any) -> None: ...
+
+
+class Graph(Protocol):
+    """The subset of ``torch.cuda.CUDAGraph`` perfsdk uses (captured by ``CudaBackend.graph``)."""
+
+    def replay(self) -> None: ...
+    def reset(self) -> None: ...
+    def pool(self) -> Any: ...
 
 
 class Event(Protocol):
@@ -54,6 +64,12 @@ class CudaBackend(Protocol):
                       augment_with_fx_traces: bool = False) -> None: ...
     def get_sync_debug_mode(self) -> int: ...
     def set_sync_debug_mode(self, debug_mode: int | str) -> None: ...
+    # CUDA graphs (apply_cuda_graphs): side streams, capture, replay
+    def Stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream: ...
+    def stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def CUDAGraph(self, keep_graph: bool = False) -> Graph: ...
+    def graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
+              capture_error_mode: str = "global") -> AbstractContextManager[Any]: ...
 
 
 class TorchCuda:
@@ -115,6 +131,21 @@ class TorchCuda:
 
     def set_sync_debug_mode(self, debug_mode: int | str) -> None:
         torch.cuda.set_sync_debug_mode(debug_mode)
+
+    def Stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        return torch.cuda.Stream(device, priority, **kwargs)  # type: ignore[no-untyped-call]
+
+    def stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def CUDAGraph(self, keep_graph: bool = False) -> Graph:
+        # keep_graph only where asked: torch < 2.7 has no such argument
+        return torch.cuda.CUDAGraph(keep_graph) if keep_graph else torch.cuda.CUDAGraph()
+
+    def graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
+              capture_error_mode: str = "global") -> AbstractContextManager[Any]:
+        return torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
+                                capture_error_mode=capture_error_mode)
 
 
 _lock = threading.Lock()

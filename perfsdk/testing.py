@@ -22,6 +22,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 from perfsdk import _device, clocks
 from perfsdk._fake_tensor import FakeCudaTensor, FakePinnedTensor
 from perfsdk.config import get_config
@@ -105,6 +109,111 @@ class FakeStream:
     def query(self) -> bool:
         return self._fake.gpu_ms >= self._fake.queued_ms
 
+    def wait_stream(self, stream: Any) -> None:
+        pass  # one timeline: work is already ordered
+
+
+_CAPTURING = "CUDA error: operation not permitted when stream is capturing"
+_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+def _on_cuda(values: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
+               for t in tree_leaves(values))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(getattr(t, "_data", t).untyped_storage().data_ptr())
+
+
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records, during a capture, every operator that reads or writes a CUDA tensor."""
+
+    def __init__(self, graph: FakeGraph) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        on_cuda = _on_cuda((args, kwargs))
+        to_host = (func is torch.ops.aten._to_copy.default
+                   and kwargs.get("device") is not None
+                   and torch.device(kwargs["device"]).type == "cpu")
+        if on_cuda and (func in _SYNC_OPS or to_host):  # a sync: not allowed in a capture
+            self.graph._invalid = True
+            raise RuntimeError(_CAPTURING)
+        out = func(*args, **kwargs)
+        if on_cuda or _on_cuda(out):
+            self.graph._ops.append((func, args, kwargs, out))
+        return out
+
+
+class FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``, capturing with :meth:`FakeCuda.graph`.
+
+    Like a real capture, it records the operators on CUDA tensors (:class:`FakeCudaTensor`)
+    and leaves the tensors they allocated holding garbage (NaN); :meth:`replay` runs the
+    recorded operators again on the same tensors, so results follow what was copied into the
+    static inputs. Operators on CPU tensors run once, at capture, and are not replayed, and a
+    synchronizing call during the capture raises and invalidates it, as on a GPU.
+    """
+
+    def __init__(self, fake: FakeCuda, keep_graph: bool = False) -> None:
+        self._fake = fake
+        self._ops: list[tuple[Any, Any, Any, Any]] = []
+        self._mode: _Recorder | None = None
+        self._invalid = False
+        self.captured = False
+        self.replays = 0
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global",
+                      check_input_liveness: bool = False) -> None:
+        if self._fake.capturing is not None:
+            raise RuntimeError(_CAPTURING)
+        self._ops, self._invalid, self.captured = [], False, False
+        self._fake.capturing = self
+        self._mode = _Recorder(self)
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+
+    def capture_end(self) -> None:
+        mode, self._mode = self._mode, None
+        self._fake.capturing = None
+        if mode is not None:
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        if self._invalid:
+            self._ops = []
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               "capture")
+        self.captured = True
+        self._fake.graphs_captured += 1
+        external: set[int] = set()
+        for _, args, kwargs, out in self._ops:  # what the capture allocated: garbage until replay
+            external.update(_storage_key(t) for t in tree_leaves((args, kwargs))
+                            if isinstance(t, torch.Tensor) and t.numel())
+            for t in tree_leaves(out):
+                if (isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()
+                        and _storage_key(t) not in external):
+                    t.fill_(float("nan"))
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
+        with torch.no_grad():
+            for func, args, kwargs, out in self._ops:
+                fresh = func(*args, **kwargs)
+                for old, new in zip(tree_leaves(out), tree_leaves(fresh), strict=True):
+                    if isinstance(old, torch.Tensor) and old is not new:
+                        torch.ops.aten.copy_.default(old, new)
+        self.replays += 1
+        self._fake.replays += 1
+
+    def reset(self) -> None:
+        self._ops, self.captured = [], False
+
+    def pool(self) -> Any:
+        return (0, id(self))
+
 
 class FakeEvent:
     """Stands in for ``torch.cuda.Event``: completes when the fake GPU clock passes it."""
@@ -163,6 +272,12 @@ class FakeCuda:
         self.peak = 0
         self.history: list[dict[str, Any]] | None = None
         self.sync_debug_mode = 0
+        # streams and CUDA graphs
+        self.default_stream = FakeStream(self)
+        self._streams = [self.default_stream]
+        self.capturing: FakeGraph | None = None
+        self.graphs_captured = 0
+        self.replays = 0
 
     # the torch.cuda subset
     def is_initialized(self) -> bool:
@@ -174,7 +289,33 @@ class FakeCuda:
         return FakeEvent(self, enable_timing, blocking, interprocess, external)
 
     def current_stream(self, device: Any = None) -> FakeStream:
+        return self._streams[-1]
+
+    def Stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> FakeStream:
         return FakeStream(self)
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        self._streams.append(stream if stream is not None else self._streams[-1])
+        try:
+            yield
+        finally:
+            self._streams.pop()
+
+    def CUDAGraph(self, keep_graph: bool = False) -> FakeGraph:
+        return FakeGraph(self, keep_graph)
+
+    @contextlib.contextmanager
+    def graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
+              capture_error_mode: str = "global", enable_annotations: bool = False,
+              check_input_liveness: bool = False) -> Iterator[None]:
+        self.synchronize()  # torch.cuda.graph synchronizes before capturing
+        with self.stream(stream if stream is not None else FakeStream(self)):
+            cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+            try:
+                yield
+            finally:
+                cuda_graph.capture_end()
 
     def synchronize(self, device: Any = None) -> None:
         self._synced("synchronize")
@@ -237,6 +378,9 @@ class FakeCuda:
 
     def _synced(self, name: str) -> None:
         """A synchronizing call: recorded, and reported the way torch's sync debug mode does."""
+        if self.capturing is not None:
+            self.capturing._invalid = True
+            raise RuntimeError(_CAPTURING)
         self.sync_calls.append(name)
         if self.sync_debug_mode == 1:
             warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)

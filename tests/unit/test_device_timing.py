@@ -263,6 +263,10 @@ CONTRACT = {
     (FakeCuda, "dump_snapshot"): torch.cuda.memory._dump_snapshot,
     (FakeCuda, "get_sync_debug_mode"): torch.cuda.get_sync_debug_mode,
     (FakeCuda, "set_sync_debug_mode"): torch.cuda.set_sync_debug_mode,
+    (FakeCuda, "Stream"): torch.cuda.Stream.__new__,
+    (FakeCuda, "stream"): torch.cuda.stream,
+    (FakeCuda, "CUDAGraph"): torch.cuda.CUDAGraph.__new__,
+    (FakeCuda, "graph"): torch.cuda.graph.__init__,
     (FakeEvent, "record"): torch.cuda.Event.record,
     (FakeEvent, "query"): torch.cuda.Event.query,
     (FakeEvent, "elapsed_time"): torch.cuda.Event.elapsed_time,
@@ -270,6 +274,7 @@ CONTRACT = {
     (FakeEvent, "wait"): torch.cuda.Event.wait,
     (FakeStream, "synchronize"): torch.cuda.Stream.synchronize,
     (FakeStream, "query"): torch.cuda.Stream.query,
+    (FakeStream, "wait_stream"): torch.cuda.Stream.wait_stream,
 }
 TEST_CONTROLS = {"launch", "advance", "complete_all", "alloc", "free", "implicit_sync"}
 
