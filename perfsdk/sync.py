@@ -122,7 +122,7 @@ _HERE = os.path.dirname(__file__) + os.sep
 # torch's stand-ins (the fake device) count as torch; perfsdk's other modules are callers
 _OURS = frozenset({__file__, _syncops.__file__, _syncdebug.__file__, warnings.__file__,
                    functools.__file__,
-                   _HERE + "testing.py", _HERE + "_fake_tensor.py"})
+                   _HERE + "testing.py", _HERE + "_fake_cuda.py", _HERE + "_fake_tensor.py"})
 
 
 # torch code that reads host-side tensors by design (seeds, step counters): with assume_device
