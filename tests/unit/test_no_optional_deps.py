@@ -146,3 +146,23 @@ assert CUDA_CALLS == [], "\\n".join(stack for _, stack in CUDA_CALLS)
 print("OK")
 """)
     assert out.strip().endswith("OK")
+
+
+def test_optimize_imports_without_matplotlib_and_plot_names_the_extra():
+    out = run(BLOCK_IMPORTS.replace('("nvtx", "pynvml", "opentelemetry")', '("matplotlib",)') + """
+import tempfile
+import perfsdk.optimize
+from perfsdk.optimize import OptimizationReport, StepResult
+
+step = StepResult(name="eager fp32 (baseline)", applied=True, reason="", median_ms=1.0,
+                  p95_ms=1.0, samples_per_s=None, speedup=1.0, peak_memory_bytes=None,
+                  max_error=0.0, setup_s=0.0)
+report = OptimizationReport(mode="inference", steps=(step,), chosen=step.name, budget_s=None,
+                            search_s=0.1)
+try:
+    report.plot(tempfile.mktemp(suffix=".png"))
+except perfsdk.MissingDependencyError as exc:
+    print("named:", "pip install 'perfsdk[plot]'" in str(exc))
+assert not [m for m in sys.modules if m.split(".")[0] == "matplotlib"]
+""")
+    assert "named: True" in out
