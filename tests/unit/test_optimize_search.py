@@ -1,0 +1,273 @@
+"""optimize(): explicit flags, the automatic search (tolerance check, never slower than eager,
+budget), training mode (the caller's model untouched during the search), compile failures."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from perfsdk import bench
+from perfsdk.errors import NoEffectWarning
+from perfsdk.optimize import search
+from perfsdk.optimize.search import AMP_GRAD_RTOL, AMP_RTOL, BASELINE, FP32_RTOL, optimize
+
+FAST = {"iters": 3, "progress": False}
+
+
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).flatten(1))  # type: ignore[no-any-return]
+
+
+class Sleepy(nn.Module):
+    """Its speed and its error are knobs the fake transforms below turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.delay = 0.01
+        self.corrupt = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return self.conv(x) + self.corrupt  # type: ignore[no-any-return]
+
+
+def fake(speed: float, corrupt: float = 0.0, cost: float = 0.0) -> Any:
+    def apply(model: Sleepy, **options: Any) -> Sleepy:
+        time.sleep(cost)
+        model.delay /= speed
+        model.corrupt += corrupt
+        return model
+    return apply
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """amp: 10x faster but wrong; channels_last: 2x faster and right; compile: 2x slower."""
+    monkeypatch.setattr(search, "apply_amp", fake(10.0, corrupt=100.0))
+    monkeypatch.setattr(search, "apply_channels_last", fake(2.0))
+    monkeypatch.setattr(search, "apply_compile", fake(0.5))
+
+
+def rows(report: search.OptimizationReport) -> dict[str, search.StepResult]:
+    return {s.name: s for s in report.steps}
+
+
+def test_explicit_flags_apply_exactly_what_is_asked() -> None:
+    model = TinyCNN()
+    keys = list(model.state_dict())
+    x = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        expected = model(x)
+    out, report = optimize(model, x, compile={"backend": "eager"}, channels_last=True, **FAST)
+    assert out is model
+    assert list(model.state_dict()) == keys
+    assert [s.name for s in report.steps] == [BASELINE, "compile[eager] + channels_last"]
+    chosen = report.best
+    assert report.chosen == chosen.name
+    assert chosen.applied
+    assert chosen.reason.startswith("applied as asked")
+    assert chosen.median_ms
+    assert chosen.p95_ms
+    assert chosen.samples_per_s
+    assert chosen.speedup
+    assert chosen.max_error is not None
+    assert chosen.max_error <= FP32_RTOL
+    assert not report.steps[0].applied
+    assert report.steps[0].speedup == 1.0
+    assert model._compiled_call_impl is not None
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected, rtol=1e-5, atol=1e-6)
+    assert report.mode == "inference"
+    assert report.budget_s is None
+    assert report.search_s > 0
+
+
+def test_explicit_amp_is_checked_with_the_amp_tolerance() -> None:
+    model = TinyCNN()
+    _out, report = optimize(model, torch.randn(4, 3, 8, 8), amp="bf16", **FAST)
+    step = report.best
+    assert step.name == "amp(bf16)"
+    assert step.applied
+    assert step.max_error is not None
+    assert 0 < step.max_error <= AMP_RTOL
+
+
+def test_explicit_out_of_tolerance_is_applied_with_a_warning(monkeypatch, fakes) -> None:
+    model = Sleepy()
+    with pytest.warns(search.PerfSDKWarning, match="out of tolerance"):
+        _, report = optimize(model, torch.randn(2, 2, 4, 4), amp=True, **FAST)
+    assert report.best.applied
+    assert "out of tolerance" in report.best.reason
+    assert report.best.speedup is not None  # timed anyway: it was asked for
+    assert model.corrupt == 100.0
+
+
+def test_nothing_asked_warns_and_returns_the_model_unchanged() -> None:
+    model = TinyCNN()
+    with pytest.warns(NoEffectWarning, match="nothing to try"):
+        out, report = optimize(model, torch.randn(2, 3, 8, 8), amp=False, **FAST)
+    assert out is model
+    assert report.chosen == BASELINE
+    assert len(report.steps) == 1
+
+
+def test_auto_rejects_wrong_and_slower_candidates(fakes) -> None:
+    model = Sleepy()
+    out, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, **FAST)
+    assert out is model
+    by = rows(report)
+    assert list(by) == [BASELINE, "amp(bf16)", "channels_last", "channels_last + amp(bf16)",
+                        "compile", "compile + amp(bf16)",
+                        "compile + channels_last + amp(bf16) + freezing"]
+    for name in ("amp(bf16)", "channels_last + amp(bf16)", "compile + amp(bf16)"):
+        assert by[name].reason.startswith("out of tolerance: max error "), by[name]
+        assert by[name].reason.endswith(f"> {AMP_RTOL:g}")
+        assert by[name].speedup is None
+    assert by["compile"].reason == "slower than baseline"
+    assert by["compile"].speedup is not None
+    assert by["compile"].speedup < 1
+    assert report.chosen == "channels_last"
+    assert by["channels_last"].reason == "chosen"
+    assert [s.name for s in report.steps if s.applied] == ["channels_last"]
+    assert report.speedup > 1.1  # 2x by construction; the machine may be busy
+    assert model.delay == pytest.approx(0.005)
+    assert model.corrupt == 0.0
+
+
+def test_auto_returns_eager_when_nothing_beats_it(monkeypatch) -> None:
+    monkeypatch.setattr(search, "apply_amp", fake(1.0))
+    monkeypatch.setattr(search, "apply_compile", fake(0.5))
+    model = Sleepy()
+    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, channels_last=False, **FAST)
+    assert report.chosen == BASELINE
+    assert report.speedup == 1.0
+    assert report.steps[0].applied
+    assert report.steps[0].reason.startswith("chosen")
+    amp = rows(report)["amp(bf16)"]
+    assert "than baseline" in amp.reason
+    assert not amp.applied
+    assert model.delay == 0.01  # unchanged
+
+
+def test_ties_go_to_the_candidate_with_fewer_transforms() -> None:
+    def row(name: str, speedup: float | None) -> search.StepResult:
+        return search.StepResult(name, False, "passed", 1.0, 1.0, None, speedup, None, 0.0, 0.0)
+
+    amp, compiled = ((("amp", {}),), (("amp", {}), ("compile", {})))
+    names = [search._name(c, "cpu") for c in (amp, compiled)]
+    assert names == ["amp(bf16)", "compile + amp(bf16)"]
+    rows = {names[0]: row(names[0], 2.0), names[1]: row(names[1], 2.05)}
+    assert search._choose(rows, [amp, compiled], "cpu") == "amp(bf16)"  # within 3%: simpler
+    rows[names[1]] = row(names[1], 2.2)
+    assert search._choose(rows, [amp, compiled], "cpu") == "compile + amp(bf16)"
+    rows = {names[0]: row(names[0], 1.02), names[1]: row(names[1], None)}
+    assert search._choose(rows, [amp, compiled], "cpu") == BASELINE  # < MIN_GAIN: noise
+    reasons = search._reasons({BASELINE: row(BASELINE, 1.0), **rows}, BASELINE)
+    assert reasons[names[0]].reason == "not faster than baseline (1.02x < 1.03x)"
+
+
+def test_budget_skips_candidates_not_started(fakes, monkeypatch) -> None:
+    monkeypatch.setattr(search, "apply_amp", fake(1.0, cost=0.8))
+    model = Sleepy()
+    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, budget_s=0.5, **FAST)
+    by = rows(report)
+    assert by["amp(bf16)"].reason != "budget"  # started in time, so it finished
+    rest = [s for s in report.steps[2:]]
+    assert rest
+    assert all(s.reason == "budget" and not s.applied for s in rest)
+    assert report.budget_s == 0.5
+    _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, budget_s=0, **FAST)
+    assert all(s.reason == "budget" for s in report.steps[1:])
+    assert report.chosen == BASELINE
+    assert report.steps[0].median_ms is not None
+
+
+def test_train_mode_leaves_the_model_alone_during_the_search(monkeypatch) -> None:
+    model = TinyCNN()
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    original = copy.deepcopy(model)
+    compare = bench.compare
+    calls = []
+
+    def spy(*args: Any, **kwargs: Any) -> bench.Comparison:
+        calls.append(1)
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, params[key]), key
+        assert all(p.grad is None for p in model.parameters())
+        return compare(*args, **kwargs)
+
+    monkeypatch.setattr(search.bench, "compare", spy)
+    loss_fn = nn.functional.cross_entropy
+    out, report = optimize(model, x, mode="train", auto=True, loss_fn=loss_fn, target=y,
+                           compile={"backend": "aot_eager"}, **FAST)
+    assert calls
+    assert out is model
+    assert report.mode == "train"
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    assert "freezing" not in " ".join(s.name for s in report.steps)
+    # the chosen model's gradients are within the chosen tolerance of eager fp32
+    grads = []
+    for m in (original, model):
+        m.zero_grad(set_to_none=True)
+        loss_fn(m(x), y).backward()
+        grads.append([p.grad for p in m.parameters()])
+    rtol = AMP_GRAD_RTOL if "amp" in report.chosen else FP32_RTOL
+    for ref, got in zip(*grads, strict=True):
+        assert (got - ref).norm() <= rtol * ref.norm()
+
+
+def test_compile_failure_is_reported(monkeypatch) -> None:
+    def broken(gm: Any, example_inputs: Any) -> Any:
+        raise RuntimeError("backend exploded")
+
+    model = TinyCNN()
+    _, report = optimize(model, torch.randn(2, 3, 8, 8), auto=True, amp=False,
+                         channels_last=False, compile={"backend": broken}, **FAST)
+    failed = rows(report)["compile[broken]"]
+    assert failed.reason.startswith("compile failed: ")
+    assert "backend exploded" in failed.reason
+    assert report.chosen == BASELINE
+    assert model._compiled_call_impl is None
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"mode": "fit"}, "mode='fit'"),
+    ({"mode": "train"}, "loss_fn"),
+    ({"amp": 3}, "amp=3"),
+    ({"compile": ["x"]}, "compile="),
+    ({"rtol": -1}, "rtol=-1"),
+    ({"budget_s": "1"}, "budget_s="),
+    ({"mode": "train", "loss_fn": torch.sum, "cuda_graphs": True}, "cuda_graphs"),
+])
+def test_bad_arguments_raise_value_error(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        optimize(TinyCNN(), torch.randn(2, 3, 8, 8), **kwargs)
+
+
+# inductor imports torch.utils.mkldnn, whose torch.jit.script_method warns at import (torch's own)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_with_freezing_explicitly() -> None:
+    """The one real inductor compile here: freezing in inference, on the caller's model."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    _out, report = optimize(model, torch.randn(8, 16), compile={"freezing": True}, **FAST)
+    assert report.chosen == "compile + freezing"
+    assert report.best.applied
+    assert report.best.max_error is not None
+    assert report.best.max_error <= FP32_RTOL
+    assert report.best.setup_s > 0
+    assert not model.training
