@@ -40,10 +40,15 @@ from perfsdk.optimize.compile import _CompileGuard, apply_compile
 from perfsdk.optimize.cuda_graphs import apply_cuda_graphs
 from perfsdk.optimize.report import OptimizationReport, StepResult
 
-__all__ = ["AMP_GRAD_RTOL", "AMP_RTOL", "BASELINE", "FP32_RTOL", "MIN_GAIN", "NEAR", "optimize"]
+__all__ = ["AMP_GRAD_RTOL", "AMP_RTOL", "BASELINE", "FINAL", "FP32_GRAD_RTOL", "FP32_RTOL",
+           "MIN_GAIN", "NEAR", "optimize"]
 
 FP32_RTOL = 1e-4
-"""Default tolerance of candidates without autocast, for outputs and gradients."""
+"""Default output tolerance of candidates without autocast."""
+FP32_GRAD_RTOL = 1e-2
+"""Default gradient tolerance of candidates without autocast: a float32 bias gradient summed
+over a batch of feature maps in another order (channels-last kernels, compiled reductions)
+differs by about 1e-3 (relative L2) on the lab's SimpleNet."""
 AMP_RTOL = 5e-2
 """Default output tolerance of candidates with autocast (bf16 / fp16 keep 8 / 11 bits)."""
 AMP_GRAD_RTOL = 0.25
@@ -55,6 +60,8 @@ MIN_GAIN = 1.03
 NEAR = 1.03
 """Candidates within this factor of the fastest count as tied; the one with fewer transforms
 (no compilation first) wins the tie."""
+FINAL = 3
+"""The fastest candidates kept for the final comparison, timed together with eager."""
 BASELINE = "eager fp32 (baseline)"
 _ORDER = ("channels_last", "amp", "compile", "cuda_graphs")  # the order transforms are applied
 _WARMUP = 2
@@ -86,13 +93,17 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
     :func:`perfsdk.bench.compare`. The check compares every floating output, passing when
     ``max|out - ref| <= atol + rtol * max|ref|`` (the max error is ``max|out - ref| / max|ref|``),
     and in training every parameter's gradient, by relative L2 error:
-    ``||g - ref|| <= rtol * ||ref|| + atol * sqrt(numel)``. Default tolerances: ``rtol=1e-4``
-    (:data:`FP32_RTOL`) for fp32 transforms; with autocast ``rtol=5e-2`` (:data:`AMP_RTOL`) for
-    outputs and ``0.25`` (:data:`AMP_GRAD_RTOL`) for gradients; ``atol=0``. ``rtol`` and
-    ``atol`` override them all.
-    The fastest candidate that passes wins if it beats eager by :data:`MIN_GAIN` (3%); among
-    candidates within 3% of the fastest, the one with fewer transforms. Otherwise the model is
-    returned as it was, and the report says why: the result is never slower than eager.
+    ``||g - ref|| <= rtol * ||ref|| + atol * sqrt(numel)``. Default tolerances: without
+    autocast ``rtol=1e-4`` for outputs (:data:`FP32_RTOL`) and ``1e-2`` for gradients
+    (:data:`FP32_GRAD_RTOL`); with autocast ``5e-2`` (:data:`AMP_RTOL`) and ``0.25``
+    (:data:`AMP_GRAD_RTOL`); ``atol=0``. ``rtol`` and ``atol`` override them all.
+
+    The (up to) three fastest candidates that passed are then timed once more, together with
+    eager in one interleaved comparison, so that the choice and the reported numbers do not
+    rest on comparisons made minutes apart. The fastest wins if it beats eager by
+    :data:`MIN_GAIN` (3%); among candidates within 3% of it, the one with fewer transforms.
+    Otherwise the model is returned as it was, and the report says why: the result is never
+    slower than eager.
 
     Args:
         model: The module; the chosen transforms are applied to it in place. Inference puts it
@@ -152,7 +163,8 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
     search = _Search(model, work, rtol, atol, iters, min_time)
     deadline = math.inf if budget_s is None else started + budget_s
     rows: dict[str, StepResult] = {}
-    with Progress(len(candidates), label="optimize", force=None if progress else False) as bar:
+    steps = len(candidates) + bool(auto)
+    with Progress(steps, label="optimize", force=None if progress else False) as bar:
         for cand in candidates:
             name = _name(cand, work.device_type)
             bar.start(name)
@@ -162,6 +174,10 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
                 rows[name] = search.candidate(name, cand)
             else:
                 rows[name] = search.explicit(name, cand)
+            bar.advance()
+        if auto and time.perf_counter() < deadline:
+            bar.start("final comparison")
+            rows = search.confirm(rows)
             bar.advance()
     chosen = _choose(rows, candidates, work.device_type) if auto else next(iter(rows))
     rows = {BASELINE: search.baseline_row(chosen, rows), **rows}
@@ -247,11 +263,12 @@ class _Search:
         self.baseline = copy.deepcopy(model)
         self.reference = work.probe(self.baseline)
         self.comparisons: dict[str, bench.Comparison] = {}
+        self.kept: dict[str, nn.Module] = {}  # the fastest passing candidates, for confirm()
 
     def tolerance(self, cand: Candidate) -> tuple[float, float, float]:
         """(output rtol, gradient rtol, atol) for ``cand``."""
         amp = any(n == "amp" for n, _ in cand)
-        out, grad = (AMP_RTOL, AMP_GRAD_RTOL) if amp else (FP32_RTOL, FP32_RTOL)
+        out, grad = (AMP_RTOL, AMP_GRAD_RTOL) if amp else (FP32_RTOL, FP32_GRAD_RTOL)
         if self.rtol is not None:
             out = grad = self.rtol
         return out, grad, self.atol or 0.0
@@ -274,7 +291,31 @@ class _Search:
                 got = self.work.probe(model)
             except Exception as exc:
                 return _row(name, False, f"failed: {_error(exc)}", setup_s=time.perf_counter() - t0)
-            return self.measure(name, cand, model, got, time.perf_counter() - t0)
+            row = self.measure(name, cand, model, got, time.perf_counter() - t0)
+        if row.reason == "passed" and (row.speedup or 0.0) >= 1.0:
+            self.kept[name] = model
+            rank = {n: self.comparisons[n].speedup(n) for n in self.kept}
+            for slower in sorted(rank, key=rank.__getitem__)[:-FINAL]:
+                del self.kept[slower]  # frees the copy
+        return row
+
+    def confirm(self, rows: dict[str, StepResult]) -> dict[str, StepResult]:
+        """Time the kept candidates again, together with eager; their rows take these numbers."""
+        if not self.kept:
+            return rows
+        fns = {BASELINE: self.work.fn(self.baseline),
+               **{name: self.work.fn(model) for name, model in self.kept.items()}}
+        final = bench.compare(fns, *self.work.args, baseline=BASELINE, **self.timing)
+        self.kept.clear()
+        self.comparisons = {name: final for name in fns}
+        out = dict(rows)
+        for name, result in final.results.items():
+            if name in out:
+                out[name] = dataclasses.replace(
+                    out[name], median_ms=result.median_ms, p95_ms=result.p95_ms,
+                    samples_per_s=result.samples_per_s, speedup=final.speedup(name),
+                    peak_memory_bytes=result.peak_memory_bytes)
+        return out
 
     def explicit(self, name: str, cand: Candidate) -> StepResult:
         """Apply ``cand`` to the caller's model itself, then check and time it there."""

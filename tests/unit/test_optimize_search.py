@@ -14,9 +14,17 @@ from torch import nn
 from perfsdk import bench
 from perfsdk.errors import NoEffectWarning
 from perfsdk.optimize import search
-from perfsdk.optimize.search import AMP_GRAD_RTOL, AMP_RTOL, BASELINE, FP32_RTOL, optimize
+from perfsdk.optimize.search import (
+    AMP_GRAD_RTOL,
+    AMP_RTOL,
+    BASELINE,
+    FP32_GRAD_RTOL,
+    FP32_RTOL,
+    optimize,
+)
 
 FAST = {"iters": 3, "progress": False}
+SLEEPY = {"iters": 9, "progress": False}  # sleep-timed fakes: enough calls for a busy machine
 
 
 class TinyCNN(nn.Module):
@@ -35,7 +43,7 @@ class Sleepy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 2, 1)
-        self.delay = 0.01
+        self.delay = 0.02
         self.corrupt = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +115,7 @@ def test_explicit_amp_is_checked_with_the_amp_tolerance() -> None:
 def test_explicit_out_of_tolerance_is_applied_with_a_warning(monkeypatch, fakes) -> None:
     model = Sleepy()
     with pytest.warns(search.PerfSDKWarning, match="out of tolerance"):
-        _, report = optimize(model, torch.randn(2, 2, 4, 4), amp=True, **FAST)
+        _, report = optimize(model, torch.randn(2, 2, 4, 4), amp=True, **SLEEPY)
     assert report.best.applied
     assert "out of tolerance" in report.best.reason
     assert report.best.speedup is not None  # timed anyway: it was asked for
@@ -123,9 +131,23 @@ def test_nothing_asked_warns_and_returns_the_model_unchanged() -> None:
     assert len(report.steps) == 1
 
 
-def test_auto_rejects_wrong_and_slower_candidates(fakes) -> None:
+def spy_compare(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Record the variant names of every bench.compare call."""
+    calls: list[list[str]] = []
+    compare = bench.compare
+
+    def spy(fns: Any, *args: Any, **kwargs: Any) -> bench.Comparison:
+        calls.append(list(fns))
+        return compare(fns, *args, **kwargs)
+
+    monkeypatch.setattr(search.bench, "compare", spy)
+    return calls
+
+
+def test_auto_rejects_wrong_and_slower_candidates(fakes, monkeypatch) -> None:
+    calls = spy_compare(monkeypatch)
     model = Sleepy()
-    out, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, **FAST)
+    out, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, **SLEEPY)
     assert out is model
     by = rows(report)
     assert list(by) == [BASELINE, "amp(bf16)", "channels_last", "channels_last + amp(bf16)",
@@ -142,15 +164,53 @@ def test_auto_rejects_wrong_and_slower_candidates(fakes) -> None:
     assert by["channels_last"].reason == "chosen"
     assert [s.name for s in report.steps if s.applied] == ["channels_last"]
     assert report.speedup > 1.1  # 2x by construction; the machine may be busy
-    assert model.delay == pytest.approx(0.005)
+    assert model.delay == pytest.approx(0.01)
+    # timed: each candidate that passed against eager, then the kept ones together with eager
+    assert calls == [[BASELINE, "channels_last"], [BASELINE, "compile"],
+                     [BASELINE, "channels_last"]]
     assert model.corrupt == 0.0
 
 
+def test_the_final_comparison_decides(monkeypatch) -> None:
+    """"compile" looks 4x faster in its own comparison (noise, say) and is not: the final
+    comparison, all kept candidates with eager, shows it and decides."""
+    final: list[bool] = []
+    compare = bench.compare
+
+    def spy(fns: Any, *args: Any, **kwargs: Any) -> bench.Comparison:
+        final.append(len(fns) > 2)
+        return compare(fns, *args, **kwargs)
+
+    class Lucky(Sleepy):
+        lucky = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.delay / 4 if self.lucky and not any(final) else self.delay)
+            return self.conv(x)  # type: ignore[no-any-return]
+
+    def lucky(model: Lucky, **options: Any) -> Lucky:
+        model.lucky = True
+        return model
+
+    monkeypatch.setattr(search.bench, "compare", spy)
+    monkeypatch.setattr(search, "apply_amp", fake(2.0))
+    monkeypatch.setattr(search, "apply_compile", lucky)
+    _, report = optimize(Lucky(), torch.randn(2, 2, 4, 4), auto=True, channels_last=False,
+                         **SLEEPY)
+    by = rows(report)
+    assert final == [False, False, False, False, True]  # 4 candidates, then the final one
+    assert by["compile"].speedup is not None
+    assert by["compile"].speedup < 1.5  # the final comparison's number, not the lucky one
+    assert not by["compile"].applied
+    assert report.chosen in ("amp(bf16)", "compile + amp(bf16)", "compile + amp(bf16) + freezing")
+    assert report.speedup < 3
+
+
 def test_auto_returns_eager_when_nothing_beats_it(monkeypatch) -> None:
-    monkeypatch.setattr(search, "apply_amp", fake(1.0))
+    monkeypatch.setattr(search, "apply_amp", fake(0.7))
     monkeypatch.setattr(search, "apply_compile", fake(0.5))
     model = Sleepy()
-    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, channels_last=False, **FAST)
+    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, channels_last=False, **SLEEPY)
     assert report.chosen == BASELINE
     assert report.speedup == 1.0
     assert report.steps[0].applied
@@ -158,7 +218,7 @@ def test_auto_returns_eager_when_nothing_beats_it(monkeypatch) -> None:
     amp = rows(report)["amp(bf16)"]
     assert "than baseline" in amp.reason
     assert not amp.applied
-    assert model.delay == 0.01  # unchanged
+    assert model.delay == 0.02  # unchanged
 
 
 def test_ties_go_to_the_candidate_with_fewer_transforms() -> None:
@@ -181,14 +241,14 @@ def test_ties_go_to_the_candidate_with_fewer_transforms() -> None:
 def test_budget_skips_candidates_not_started(fakes, monkeypatch) -> None:
     monkeypatch.setattr(search, "apply_amp", fake(1.0, cost=0.8))
     model = Sleepy()
-    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, budget_s=0.5, **FAST)
+    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, budget_s=0.5, **SLEEPY)
     by = rows(report)
     assert by["amp(bf16)"].reason != "budget"  # started in time, so it finished
     rest = [s for s in report.steps[2:]]
     assert rest
     assert all(s.reason == "budget" and not s.applied for s in rest)
     assert report.budget_s == 0.5
-    _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, budget_s=0, **FAST)
+    _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, budget_s=0, **SLEEPY)
     assert all(s.reason == "budget" for s in report.steps[1:])
     assert report.chosen == BASELINE
     assert report.steps[0].median_ms is not None
@@ -226,7 +286,7 @@ def test_train_mode_leaves_the_model_alone_during_the_search(monkeypatch) -> Non
         m.zero_grad(set_to_none=True)
         loss_fn(m(x), y).backward()
         grads.append([p.grad for p in m.parameters()])
-    rtol = AMP_GRAD_RTOL if "amp" in report.chosen else FP32_RTOL
+    rtol = AMP_GRAD_RTOL if "amp" in report.chosen else FP32_GRAD_RTOL
     for ref, got in zip(*grads, strict=True):
         assert (got - ref).norm() <= rtol * ref.norm()
 
@@ -243,6 +303,25 @@ def test_compile_failure_is_reported(monkeypatch) -> None:
     assert "backend exploded" in failed.reason
     assert report.chosen == BASELINE
     assert model._compiled_call_impl is None
+
+
+def test_a_candidate_that_raises_is_reported_and_skipped() -> None:
+    """The lab's ``x.view(...)`` cannot flatten a channels-last tensor: that candidate fails,
+    the search carries on."""
+
+    class ViewNet(TinyCNN):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(self.conv(x))
+            return self.fc(y.view(y.size(0), -1))  # type: ignore[no-any-return]
+
+    model = ViewNet()
+    _, report = optimize(model, torch.randn(2, 3, 8, 8), auto=True, amp=False, compile=False,
+                         **FAST)
+    failed = rows(report)["channels_last"]
+    assert failed.reason.startswith("failed: RuntimeError: view size is not compatible")
+    assert failed.speedup is None
+    assert report.chosen == BASELINE
+    assert next(model.parameters()).is_contiguous()  # the caller's model was not touched
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
