@@ -330,7 +330,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                      "warmup": args.warmup, "budget_s": args.budget, "backend": args.backend,
                      "fresh_inductor_cache": not args.warm_cache,
                      "torch_threads": torch.get_num_threads(),
-                     "bf16_cpu": "avx512_bf16/amx" if _has_bf16_isa() else "none found"},
+                     "bf16_cpu_flags": _bf16_flags()},
         "machine": machine_info(),
         "versions": versions(),
         "wall_s": time.perf_counter() - started,
@@ -350,12 +350,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _has_bf16_isa() -> bool:
+def _bf16_flags() -> list[str]:
+    """The CPU's bfloat16 instruction-set flags (avx512_bf16, amx_bf16) from /proc/cpuinfo."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        words = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return []
+    return sorted(words & {"avx512_bf16", "amx_bf16", "amx_tile"})
 
 
 def print_table(result: dict[str, Any]) -> None:
