@@ -77,10 +77,6 @@ def _pinned(t: torch.Tensor) -> bool:
         return False
 
 
-def _scalar(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
-    return "item" if args and _dev(args[0], assume) else None
-
-
 def _first(label: str) -> Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]:
     def classify(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
         return label if args and _dev(args[0], assume) else None
@@ -141,10 +137,10 @@ def _copy_(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str |
 
 
 _DISPATCH: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]] = {
-    _aten._local_scalar_dense.default: _scalar,
-    _aten.is_nonzero.default: _scalar,
-    _aten.equal.default: _scalar,
-    _aten.allclose.default: _scalar,
+    _aten._local_scalar_dense.default: _first("item"),
+    _aten.is_nonzero.default: _first("item"),
+    _aten.equal.default: _first("item"),
+    _aten.allclose.default: _first("item"),
     _aten.nonzero.default: _first("nonzero"),
     _aten.masked_select.default: _first("masked_select"),
     _aten._unique.default: _first("unique"),
@@ -194,26 +190,16 @@ def _fn_to(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str |
     return _copy(dst_host, src, non_blocking, lambda: True)
 
 
-def _fn_host(label: str) -> Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]:
-    def classify(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
-        return label if args and _dev(args[0], assume) else None
-    return classify
-
-
-def _fn_format(args: tuple[Any, ...], kwargs: dict[str, Any], assume: bool) -> str | None:
-    return "print" if args and _dev(args[0], assume) else None
-
-
 _Tensor = torch.Tensor
 _FUNCTION: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | None]] = {
-    _Tensor.tolist: _fn_host("tolist"),
-    _Tensor.numpy: _fn_host("numpy"),
-    _Tensor.__array__: _fn_host("numpy"),
-    _Tensor.cpu: _fn_host("to_host"),
+    _Tensor.tolist: _first("tolist"),
+    _Tensor.numpy: _first("numpy"),
+    _Tensor.__array__: _first("numpy"),
+    _Tensor.cpu: _first("to_host"),
     _Tensor.to: _fn_to,
-    _Tensor.__repr__: _fn_format,
-    _Tensor.__str__: _fn_format,
-    _Tensor.__format__: _fn_format,
+    _Tensor.__repr__: _first("print"),
+    _Tensor.__str__: _first("print"),
+    _Tensor.__format__: _first("print"),
 }
 
 Report = Callable[[str, str, bool], bool]
