@@ -8,7 +8,7 @@ the model unchanged, where it cannot help. :func:`optimize` applies a chosen set
 thing, and reports what each bought.
 """
 
-from perfsdk.optimize._marks import applied
+from perfsdk.optimize._marks import applied, fallbacks
 from perfsdk.optimize.amp import apply_amp
 from perfsdk.optimize.backends import backend_flags, restore_backends, set_backends
 from perfsdk.optimize.channels_last import apply_channels_last
@@ -32,6 +32,7 @@ __all__ = (
     "apply_compile",
     "apply_cuda_graphs",
     "backend_flags",
+    "fallbacks",
     "optimize",
     "restore_backends",
     "set_backends",

@@ -2,7 +2,9 @@
 
 Each transform calls :func:`mark` once it changed the model; :func:`applied` reads the record.
 The record lives in the module's ``__dict__`` (not a registered attribute), so it travels with
-``copy.deepcopy`` and pickling and never appears in ``state_dict()``.
+``copy.deepcopy`` and pickling and never appears in ``state_dict()``. :func:`fallbacks` tells
+which of them gave up at run time (a compilation or a CUDA graph capture that failed, after
+which the model runs eagerly).
 
 Example:
     >>> import torch
@@ -18,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["applied", "mark"]
+__all__ = ["applied", "fallbacks", "mark"]
 
 _KEY = "_perfsdk_applied"
 
@@ -34,3 +36,23 @@ def applied(model: nn.Module) -> dict[str, dict[str, Any]]:
     none)."""
     record: dict[str, dict[str, Any]] = model.__dict__.get(_KEY, {})
     return {name: dict(options) for name, options in record.items()}
+
+
+def fallbacks(model: nn.Module) -> dict[str, BaseException]:
+    """The transforms on ``model`` that fell back to eager at run time, with the error that made
+    them: ``{"compile": ...}`` when compiling failed, ``{"cuda_graphs": ...}`` when a capture
+    failed; ``{}`` while they all run as applied.
+
+    Example:
+        >>> import torch
+        >>> fallbacks(torch.nn.Linear(2, 2))
+        {}
+    """
+    found: dict[str, BaseException] = {}
+    call = getattr(model, "_compiled_call_impl", None)  # the wrappers apply_compile and
+    while call is not None:  # apply_cuda_graphs put there, outermost first
+        failed = getattr(call, "failed", None)
+        if isinstance(failed, BaseException):
+            found[str(getattr(call, "transform", type(call).__name__))] = failed
+        call = getattr(call, "inner", None)
+    return found

@@ -69,6 +69,7 @@ class _CompileGuard:
     fails, the eager one for good. Not an ``nn.Module``, so nothing is registered on the model."""
 
     __slots__ = ("compiled", "eager", "failed", "freezing", "label")
+    transform = "compile"  # its name in fallbacks()
 
     def __init__(self, compiled: Callable[..., Any], eager: Callable[..., Any], label: str,
                  freezing: bool) -> None:

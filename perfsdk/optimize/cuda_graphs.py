@@ -116,6 +116,8 @@ class _GraphRunner:
     """Stands in ``module._compiled_call_impl``: replays a captured graph per input signature,
     running the previous call (compiled or eager) to warm up, to capture and as the fallback."""
 
+    transform = "cuda_graphs"  # its name in fallbacks()
+
     def __init__(self, model: nn.Module, inner: Callable[..., Any], device: torch.device,
                  max_shapes: int, warmup: int, clone_outputs: bool) -> None:
         self.model = model

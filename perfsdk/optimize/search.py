@@ -29,47 +29,52 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from perfsdk import bench
 from perfsdk._progress import Progress
 from perfsdk.errors import NoEffectWarning, PerfSDKWarning
+from perfsdk.optimize._candidates import (
+    BASELINE,
+    MIN_GAIN,
+    NEAR,
+    ORDER,
+    Candidate,
+    Options,
+    auto_candidates,
+    candidate_name,
+    choose,
+    flag,
+    reasons,
+)
+from perfsdk.optimize._marks import fallbacks
+from perfsdk.optimize._tolerance import (
+    AMP_GRAD_RTOL,
+    AMP_RTOL,
+    FP32_GRAD_RTOL,
+    FP32_RTOL,
+    Probe,
+    check,
+    tolerance,
+)
+from perfsdk.optimize._workload import Work
 from perfsdk.optimize.amp import apply_amp
 from perfsdk.optimize.channels_last import apply_channels_last
-from perfsdk.optimize.compile import _CompileGuard, apply_compile
+from perfsdk.optimize.compile import apply_compile
 from perfsdk.optimize.cuda_graphs import apply_cuda_graphs
 from perfsdk.optimize.report import OptimizationReport, StepResult
 
-__all__ = ["AMP_GRAD_RTOL", "AMP_RTOL", "BASELINE", "FINAL", "FP32_GRAD_RTOL", "FP32_RTOL",
-           "MIN_GAIN", "NEAR", "optimize"]
+__all__ = ["AMP_GRAD_RTOL", "AMP_RTOL", "BASELINE", "FINAL", "FINAL_CALLS", "FP32_GRAD_RTOL",
+           "FP32_RTOL", "MIN_GAIN", "NEAR", "SCREEN_CALLS", "optimize"]
 
-FP32_RTOL = 1e-4
-"""Default output tolerance of candidates without autocast."""
-FP32_GRAD_RTOL = 1e-2
-"""Default gradient tolerance of candidates without autocast: a float32 bias gradient summed
-over a batch of feature maps in another order (channels-last kernels, compiled reductions)
-differs by about 1e-3 (relative L2) on the lab's SimpleNet."""
-AMP_RTOL = 5e-2
-"""Default output tolerance of candidates with autocast (bf16 / fp16 keep 8 / 11 bits)."""
-AMP_GRAD_RTOL = 0.25
-"""Default gradient tolerance of candidates with autocast. One bf16 step's gradients differ from
-fp32 by up to 12% (relative L2) on the lab's SimpleNet, 4% on the encoder; SGD's own noise is
-far larger, and a broken gradient (missing, wrongly scaled, sign-flipped) is off by 50% or more."""
-MIN_GAIN = 1.03
-"""A candidate must beat eager by this factor to be kept: smaller gains are within noise."""
-NEAR = 1.03
-"""Candidates within this factor of the fastest count as tied; the one with fewer transforms
-(no compilation first) wins the tie."""
 FINAL = 3
 """The fastest candidates kept for the final comparison, timed together with eager."""
-BASELINE = "eager fp32 (baseline)"
-_ORDER = ("channels_last", "amp", "compile", "cuda_graphs")  # the order transforms are applied
+SCREEN_CALLS = 10
+"""With ``min_time``, each candidate's comparison with eager times at least this many eager
+calls (a 0.5 s training step would otherwise get a single call per round)."""
+FINAL_CALLS = 20
+"""With ``min_time``, the final comparison times every variant for at least this many eager
+calls, and for at least twice the screening time: it decides, so it gets the longest look."""
 _WARMUP = 2
-_MODES = ("inference", "train")
-
-Options = dict[str, Any]
-Candidate = tuple[tuple[str, Options], ...]  # (transform, its options), in _ORDER
-Probe = list[tuple[str, "torch.Tensor | None", bool]]  # (name, tensor, is a gradient)
 
 
 def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
@@ -126,8 +131,12 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
         loss_fn: Training only, required: ``loss_fn(output, target)`` (``loss_fn(output)``
             when ``target`` is None).
         target: Training targets for ``loss_fn``.
-        iters: Timed calls per candidate and per baseline (instead of ``min_time``).
-        min_time: Seconds of timed calls per candidate and per baseline.
+        iters: Timed calls per candidate and per baseline in each comparison (instead of
+            ``min_time``).
+        min_time: Seconds of timed calls per candidate and per baseline in each comparison, at
+            least: a comparison times at least :data:`SCREEN_CALLS` eager calls, and the final
+            one twice as long and at least :data:`FINAL_CALLS` eager calls (a first, 3-call look
+            at eager sets the scale), so slow steps get enough calls for a median.
         progress: Show a progress bar on stderr (only when it is a terminal).
 
     Returns:
@@ -137,11 +146,11 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
         ValueError: An argument outside the accepted values (the message names it).
     """
     started = time.perf_counter()
-    work = _Work(mode, example_inputs, loss_fn, target, model)
-    flags = {"amp": _flag("amp", amp, (str, torch.dtype), "dtype"),
-             "compile": _flag("compile", compile, (str,), "mode"),
-             "channels_last": _flag("channels_last", channels_last, (), ""),
-             "cuda_graphs": _flag("cuda_graphs", cuda_graphs, (), "")}
+    work = Work(mode, example_inputs, loss_fn, target, model)
+    flags = {"amp": flag("amp", amp, (str, torch.dtype), "dtype"),
+             "compile": flag("compile", compile, (str,), "mode"),
+             "channels_last": flag("channels_last", channels_last, (), ""),
+             "cuda_graphs": flag("cuda_graphs", cuda_graphs, (), "")}
     for name, value in (("rtol", rtol), ("atol", atol), ("budget_s", budget_s)):
         if value is not None and not (isinstance(value, (int, float)) and value >= 0
                                       and not isinstance(value, bool)):
@@ -151,9 +160,9 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
         raise ValueError("optimize: cuda_graphs is for mode='inference'; accepted in training: "
                          "cuda_graphs=None/False (see torch.cuda.make_graphed_callables)")
     if auto:
-        candidates = _auto_candidates(model, work, flags)
+        candidates = auto_candidates(model, mode, work.device_type, flags)
     else:
-        asked = tuple((n, o) for n in _ORDER if isinstance(o := flags[n], dict))
+        asked = tuple((n, o) for n in ORDER if isinstance(o := flags[n], dict))
         candidates = [asked] if asked else []
     if not candidates:
         warnings.warn("optimize: nothing to try (no transform asked for and auto=False); the "
@@ -166,112 +175,58 @@ def optimize(model: nn.Module, example_inputs: Any, *, mode: str = "inference",
     steps = len(candidates) + bool(auto)
     with Progress(steps, label="optimize", force=None if progress else False) as bar:
         for cand in candidates:
-            name = _name(cand, work.device_type)
-            bar.start(name)
+            label = candidate_name(cand, work.device_type)
+            bar.start(label)
             if time.perf_counter() >= deadline:
-                rows[name] = _row(name, False, "budget")
+                rows[label] = _row(label, False, "budget")
             elif auto:
-                rows[name] = search.candidate(name, cand)
+                rows[label] = search.candidate(label, cand)
             else:
-                rows[name] = search.explicit(name, cand)
+                rows[label] = search.explicit(label, cand)
             bar.advance()
         if auto and time.perf_counter() < deadline:
             bar.start("final comparison")
             rows = search.confirm(rows)
             bar.advance()
-    chosen = _choose(rows, candidates, work.device_type) if auto else next(iter(rows))
-    rows = {BASELINE: search.baseline_row(chosen, rows), **rows}
+    chosen = choose(rows, candidates, work.device_type) if auto else next(iter(rows))
+    rows = {BASELINE: search.baseline_row(chosen), **rows}
     if auto:
-        rows = _reasons(rows, chosen)
+        rows = reasons(rows, chosen)
         if chosen != BASELINE:
             search.apply_final(dict(next(c for c in candidates
-                                         if _name(c, work.device_type) == chosen)))
+                                         if candidate_name(c, work.device_type) == chosen)))
     return model, OptimizationReport(mode, tuple(rows.values()), chosen, budget_s,
                                      time.perf_counter() - started)
 
 
-# -- the workload: what one call or one training step is -------------------------------------
-class _Work:
-    def __init__(self, mode: str, example_inputs: Any, loss_fn: Any, target: Any,
-                 model: nn.Module) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"optimize: mode={mode!r}; accepted values are 'inference', 'train'")
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"optimize: model={type(model).__name__} is not an nn.Module")
-        if mode == "train" and not callable(loss_fn):
-            raise ValueError(f"optimize: mode='train' needs loss_fn, a callable "
-                             f"loss_fn(output, target) -> scalar tensor; got {loss_fn!r}")
-        self.mode, self.loss_fn, self.target = mode, loss_fn, target
-        self.inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        tensors = [t for t in tree_leaves(self.inputs) if isinstance(t, torch.Tensor)]
-        if not tensors:
-            raise ValueError("optimize: example_inputs must be a tensor or a tuple holding "
-                             f"tensors; got {type(example_inputs).__name__}")
-        first = tensors[0]
-        self.batch_size = int(first.shape[0]) if first.dim() and first.shape[0] else None
-        params = [p.device for p in model.parameters()]
-        self.device_type = (params[0] if params else first.device).type
-        self.rng_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-        self.args = self.inputs + (() if target is None else (target,))
-        (model.train if mode == "train" else model.eval)()
-
-    def fn(self, model: nn.Module) -> Callable[..., Any]:
-        """What is timed: one inference call, or one training step without the optimizer."""
-        n = len(self.inputs)
-        if self.mode == "inference":
-            def call(*args: Any) -> Any:
-                with torch.no_grad():
-                    return model(*args)
-            return call
-
-        def step(*args: Any) -> Any:
-            model.zero_grad(set_to_none=True)
-            out = model(*args[:n])
-            loss = self.loss_fn(out, args[n]) if len(args) > n else self.loss_fn(out)
-            loss.backward()
-            return loss
-        return step
-
-    def probe(self, model: nn.Module) -> Probe:
-        """One seeded call: the floating outputs, then (training) each parameter's gradient."""
-        with torch.random.fork_rng(devices=self.rng_devices):
-            torch.manual_seed(0)
-            if self.mode == "inference":
-                with torch.no_grad():
-                    out = model(*self.inputs)
-            else:
-                model.zero_grad(set_to_none=True)
-                out = model(*self.inputs)
-                loss = self.loss_fn(out, self.target) if self.target is not None \
-                    else self.loss_fn(out)
-                loss.backward()
-        found: Probe = [(f"output {i}", t.detach(), False) for i, t in enumerate(tree_leaves(out))
-                        if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if self.mode == "train":
-            found += [(name, None if p.grad is None else p.grad.detach(), True)
-                      for name, p in model.named_parameters()]
-        return found
-
-
 # -- the search ---------------------------------------------------------------------------------
 class _Search:
-    def __init__(self, model: nn.Module, work: _Work, rtol: float | None, atol: float | None,
+    def __init__(self, model: nn.Module, work: Work, rtol: float | None, atol: float | None,
                  iters: int | None, min_time: float | None) -> None:
         self.model, self.work, self.rtol, self.atol = model, work, rtol, atol
-        self.timing: dict[str, Any] = {"iters": iters, "min_time": None if iters else min_time,
-                                       "batch_size": work.batch_size, "warmup": _WARMUP}
         self.baseline = copy.deepcopy(model)
         self.reference = work.probe(self.baseline)
+        base = {"batch_size": work.batch_size, "warmup": _WARMUP}
+        if iters is not None:
+            self.timing: dict[str, Any] = {**base, "iters": iters}
+            self.final_timing = self.timing
+        else:  # at least SCREEN_CALLS / FINAL_CALLS calls of eager, however slow a call is
+            eager_s = self._eager_seconds()
+            screen = max(min_time or 0.0, SCREEN_CALLS * eager_s)
+            self.timing = {**base, "min_time": screen}
+            self.final_timing = {**base, "min_time": max(2 * screen, FINAL_CALLS * eager_s)}
         self.comparisons: dict[str, bench.Comparison] = {}
         self.kept: dict[str, nn.Module] = {}  # the fastest passing candidates, for confirm()
 
+    def _eager_seconds(self) -> float:
+        """A first, short look at how long one eager call takes."""
+        first = bench.benchmark(self.work.fn(self.baseline), *self.work.args, warmup=1, iters=3,
+                                name=BASELINE)
+        return first.median_ms / 1e3
+
     def tolerance(self, cand: Candidate) -> tuple[float, float, float]:
         """(output rtol, gradient rtol, atol) for ``cand``."""
-        amp = any(n == "amp" for n, _ in cand)
-        out, grad = (AMP_RTOL, AMP_GRAD_RTOL) if amp else (FP32_RTOL, FP32_GRAD_RTOL)
-        if self.rtol is not None:
-            out = grad = self.rtol
-        return out, grad, self.atol or 0.0
+        return tolerance(any(n == "amp" for n, _ in cand), self.rtol, self.atol)
 
     def candidate(self, name: str, cand: Candidate) -> StepResult:
         """Build ``cand`` on a copy, check it, time it; warnings go to the report."""
@@ -305,7 +260,7 @@ class _Search:
             return rows
         fns = {BASELINE: self.work.fn(self.baseline),
                **{name: self.work.fn(model) for name, model in self.kept.items()}}
-        final = bench.compare(fns, *self.work.args, baseline=BASELINE, **self.timing)
+        final = bench.compare(fns, *self.work.args, baseline=BASELINE, **self.final_timing)
         self.kept.clear()
         self.comparisons = {name: final for name in fns}
         out = dict(rows)
@@ -339,8 +294,8 @@ class _Search:
     def measure(self, name: str, cand: Candidate, model: nn.Module,
                 got: Probe, setup_s: float, *, always_time: bool = False) -> StepResult:
         """Check ``model``'s probe ``got`` against the reference; time it if it passed."""
-        error, failure = _check(got, self.reference, self.tolerance(cand))
-        reason = _compile_failure(model) or failure or "passed"
+        error, failure = check(got, self.reference, self.tolerance(cand))
+        reason = _fallback(model) or failure or "passed"
         if reason != "passed" and not always_time:
             return _row(name, False, reason, max_error=error, setup_s=setup_s)
         fns = {BASELINE: self.work.fn(self.baseline), name: self.work.fn(model)}
@@ -351,7 +306,7 @@ class _Search:
                           result.samples_per_s, comparison.speedup(name),
                           result.peak_memory_bytes, error, setup_s)
 
-    def baseline_row(self, chosen: str, rows: dict[str, StepResult]) -> StepResult:
+    def baseline_row(self, chosen: str) -> StepResult:
         """The baseline's numbers, from the comparison with the chosen row when there is one."""
         comparison = self.comparisons.get(chosen) or next(iter(self.comparisons.values()), None)
         if comparison is None:
@@ -364,108 +319,16 @@ class _Search:
 
     def apply_final(self, cand: dict[str, Options]) -> None:
         """Apply the winner to the caller's model and run it once (compile it now, not later)."""
-        for transform in _ORDER:
+        for transform in ORDER:
             if transform in cand:
                 _transform(transform)(self.model, **cand[transform])
         with _preserved(self.model):
             got = self.work.probe(self.model)
-        _, failure = _check(got, self.reference, self.tolerance(tuple(cand.items())))
+        _, failure = check(got, self.reference, self.tolerance(tuple(cand.items())))
         if failure:  # the same transforms passed on a copy: something in the model differs
             warnings.warn(f"optimize: the chosen transforms, applied to the model, are "
                           f"{failure} against the eager fp32 reference", PerfSDKWarning,
                           stacklevel=3)
-
-
-# -- candidates ---------------------------------------------------------------------------------
-def _flag(arg: str, value: Any, shorthand: tuple[type, ...], key: str) -> Options | bool | None:
-    """None: not asked; False: excluded; a dict: asked, with these options."""
-    if value is None or value is False:
-        return value
-    if value is True:
-        return {}
-    if shorthand and isinstance(value, shorthand):
-        return {key: value}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return dict(value)
-    accepted = "None, True, False" + (f", a {key}" if shorthand else "") + " or a dict of " \
-        f"apply_{arg} options"
-    raise ValueError(f"optimize: {arg}={value!r}; accepted values are {accepted}")
-
-
-def _auto_candidates(model: nn.Module, work: _Work, flags: dict[str, Any]) -> list[Candidate]:
-    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    combos: list[tuple[str, ...]] = [("amp",)]
-    if has_conv:
-        combos += [("channels_last",), ("channels_last", "amp")]
-    combos += [("compile",), ("compile", "amp"), ("channels_last", "amp", "compile")]
-    if work.mode == "inference" and work.device_type == "cuda":
-        combos += [("cuda_graphs",), ("amp", "cuda_graphs")]
-    kept = [tuple(n for n in _ORDER if n in combo and flags[n] is not False
-                  and (n != "channels_last" or has_conv)) for combo in combos]
-    kept = [combo for combo in kept if combo]
-    last_compile = max((i for i, combo in enumerate(kept) if "compile" in combo), default=-1)
-    out: list[Candidate] = []
-    for i, combo in enumerate(kept):
-        cand = tuple((n, dict(flags[n] or {})) for n in combo)
-        options = dict(cand).get("compile")
-        if (i == last_compile and options is not None and work.mode == "inference"
-                and "freezing" not in options
-                and options.get("backend", "inductor") == "inductor"):
-            options["freezing"] = True  # inductor freezing: worth most on the fullest combo
-        if cand not in out:
-            out.append(cand)
-    return out
-
-
-def _name(cand: Candidate, device_type: str) -> str:
-    parts: list[str] = []
-    for transform, options in cand:
-        if transform == "amp":
-            parts.append(f"amp({_amp_label(options.get('dtype'), device_type)})")
-        elif transform == "compile":
-            extra = [str(getattr(options[k], "__name__", options[k])) for k in ("backend", "mode")
-                     if options.get(k) and options[k] != "inductor"]
-            parts.append("compile" + (f"[{','.join(extra)}]" if extra else ""))
-        else:
-            parts.append(transform)
-    if any(t == "compile" and o.get("freezing") for t, o in cand):
-        parts.append("freezing")
-    first = [p for p in parts if p.startswith("compile")]  # read as "compile + what it sees"
-    return " + ".join(first + [p for p in parts if not p.startswith("compile")])
-
-
-def _amp_label(dtype: Any, device_type: str) -> str:
-    if dtype is None:
-        return "bf16" if device_type == "cpu" else "fp16"
-    text = str(dtype).lower().removeprefix("torch.")
-    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(text, text)
-
-
-def _choose(rows: dict[str, StepResult], candidates: list[Candidate], device_type: str) -> str:
-    cost = {_name(c, device_type): (any(t == "compile" for t, _ in c), len(c))
-            for c in candidates}
-    timed = {n: r.speedup for n, r in rows.items() if r.speedup is not None}
-    if not timed or max(timed.values()) < MIN_GAIN:
-        return BASELINE
-    best = max(timed.values())
-    tied = [n for n, s in timed.items() if s * NEAR >= best and s >= MIN_GAIN]
-    return min(tied, key=lambda n: (cost[n], -timed[n]))
-
-
-def _reasons(rows: dict[str, StepResult], chosen: str) -> dict[str, StepResult]:
-    top = rows[chosen].speedup or 1.0
-    out: dict[str, StepResult] = {}
-    for name, row in rows.items():
-        reason, s = row.reason, row.speedup
-        if name == chosen:
-            reason = "chosen" if name != BASELINE else "chosen: no candidate beat eager"
-        elif reason == "passed" and s is not None:
-            reason = ("slower than baseline" if s < 1.0 else
-                      f"not faster than baseline ({s:.2f}x < {MIN_GAIN:.2f}x)" if s < MIN_GAIN
-                      else f"slower than chosen ({s:.2f}x < {top:.2f}x)" if s <= top
-                      else f"within {NEAR - 1:.0%} of the fastest; chosen has fewer transforms")
-        out[name] = dataclasses.replace(row, applied=name == chosen, reason=reason)
-    return out
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -493,45 +356,11 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}".rstrip(": ")[:200]
 
 
-def _compile_failure(model: nn.Module) -> str | None:
-    guard = getattr(model, "_compiled_call_impl", None)
-    if isinstance(guard, _CompileGuard) and guard.failed is not None:
-        return f"compile failed: {_error(guard.failed)}"
-    return None
-
-
-def _check(got: Probe, ref: Probe, tolerance: tuple[float, float, float]
-           ) -> tuple[float, str | None]:
-    """(the largest relative error, why ``got`` is out of tolerance or None)."""
-    out_rtol, grad_rtol, atol = tolerance
-    if [(n, g) for n, _, g in got] != [(n, g) for n, _, g in ref]:
-        return math.inf, "out of tolerance: outputs differ in number or kind from the reference"
-    worst, failure, excess = 0.0, None, 1.0
-    for (name, g, grad), (_, r, _) in zip(got, ref, strict=True):
-        if g is None or r is None:
-            if g is not r:
-                return math.inf, f"out of tolerance: gradient of {name} missing or extra"
-            continue
-        if g.shape != r.shape:
-            return math.inf, f"out of tolerance: {name} shape {tuple(g.shape)} != {tuple(r.shape)}"
-        delta, r32 = g.float().to(r.device) - r.float(), r.float()
-        if grad:  # relative L2 error
-            diff, scale = float(delta.norm()), float(r32.norm())
-            limit, rtol = grad_rtol * scale + atol * math.sqrt(r.numel()), grad_rtol
-        else:  # max error relative to the reference's max magnitude
-            diff = float(delta.abs().max()) if r.numel() else 0.0
-            scale = float(r32.abs().max()) if r.numel() else 0.0
-            limit, rtol = out_rtol * scale + atol, out_rtol
-        if not math.isfinite(diff):
-            return math.inf, f"out of tolerance: {name} is not finite"
-        error = diff / scale if scale > 0 else diff
-        worst = max(worst, error)
-        if diff > limit and diff / max(limit, 1e-30) > excess:
-            excess = diff / max(limit, 1e-30)
-            what = f"gradient error {error:.3g} > {rtol:g} ({name})" if grad \
-                else f"max error {error:.3g} > {rtol:g}"
-            failure = f"out of tolerance: {what}" + (f" (+ atol {atol:g})" if atol else "")
-    return worst, failure
+def _fallback(model: nn.Module) -> str | None:
+    """Why ``model`` runs eagerly although compiled or graphed (see :func:`fallbacks`)."""
+    what = {"compile": "compile", "cuda_graphs": "CUDA graph capture"}
+    failed = fallbacks(model)
+    return "; ".join(f"{what.get(t, t)} failed: {_error(e)}" for t, e in failed.items()) or None
 
 
 @contextlib.contextmanager

@@ -4,11 +4,14 @@ model. Two real inductor compiles (tiny models); the rest uses cheap or failing 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from perfsdk.errors import NoEffectWarning, PerfSDKWarning
+from perfsdk.optimize import fallbacks
 from perfsdk.optimize.compile import apply_compile
 
 # inductor imports torch.utils.mkldnn, whose torch.jit.script_method warns at import (torch's own)
@@ -59,7 +62,7 @@ def test_inductor_in_place_keeps_state_dict_keys_and_outputs():
     with torch.no_grad():
         got = model(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert model._compiled_call_impl.failed is None
+    assert fallbacks(model) == {}
     assert model.__dict__["_perfsdk_applied"]["compile"]["backend"] == "inductor"
 
     fresh = Tiny()  # the compiled model's state dict loads into an uncompiled one, and back
@@ -102,7 +105,10 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning():
         got = model(x)
     assert len(record) == 1
     torch.testing.assert_close(got, expected)
-    assert isinstance(model._compiled_call_impl.failed, Exception)
+    error = fallbacks(model)["compile"]
+    assert isinstance(error, RuntimeError)
+    assert "no compiler" in str(error)
+    assert fallbacks(copy.deepcopy(model)) == {}  # a copy drops the call wrapper: not compiled
     torch.testing.assert_close(model(x), expected)  # no second warning (filterwarnings=error)
     torch.testing.assert_close(model(torch.randn(7, 8)).shape, torch.Size([7, 4]))
 
@@ -114,7 +120,7 @@ def test_the_users_own_error_propagates_unchanged():
         model(torch.randn(3, 5))  # wrong width: fails eagerly too
     assert excinfo.type is RuntimeError  # the eager exception itself, not dynamo's wrapper
     assert excinfo.value.__context__ is None
-    assert model._compiled_call_impl.failed is None  # still compiled
+    assert fallbacks(model) == {}  # still compiled
     model(torch.randn(3, 8))
     assert backend.graphs >= 1
 

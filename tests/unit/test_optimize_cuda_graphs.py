@@ -16,7 +16,7 @@ from torch import nn
 
 from perfsdk import _device
 from perfsdk.errors import NoEffectWarning, PerfSDKWarning
-from perfsdk.optimize import cuda_graphs
+from perfsdk.optimize import cuda_graphs, fallbacks
 from perfsdk.optimize.compile import apply_compile
 from perfsdk.optimize.cuda_graphs import apply_cuda_graphs
 from perfsdk.pipeline import PIPELINE
@@ -210,16 +210,39 @@ def test_a_failing_capture_falls_back_to_eager(fake_cuda):
             out = model(cuda(x))
         torch.testing.assert_close(out.cpu(), eager(x))
         torch.testing.assert_close(model(cuda(x)).cpu(), eager(x))  # eager, no new warning
-    assert isinstance(runner(model).failed, RuntimeError)
+    assert list(fallbacks(model)) == ["cuda_graphs"]
+    assert isinstance(fallbacks(model)["cuda_graphs"], RuntimeError)
     assert fake_cuda.capturing is None
     assert fake_cuda.current_stream() is fake_cuda.default_stream
+
+
+# dynamo meets the fake device's tensor subclass (torch's own warning; the compile fails anyway)
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
+def test_fallbacks_sees_a_failed_compile_under_the_graphs(fake_cuda):
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("no compiler")
+
+    torch.manual_seed(0)
+    eager = MLP()
+    model = MLP()
+    model.load_state_dict(eager.state_dict())
+    apply_cuda_graphs(apply_compile(model, backend=no_compiler), device="cuda")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        with pytest.warns(PerfSDKWarning, match="torch.compile failed for MLP"):
+            out = model(cuda(x))  # the warm-up compiles, fails, runs eagerly; then the capture
+        torch.testing.assert_close(out.cpu(), eager(x))
+    failed = fallbacks(model)
+    assert list(failed) == ["compile"]  # the graphs themselves work
+    assert "no compiler" in str(failed["compile"])
+    assert runner(model).captures == 1
 
 
 def test_the_models_own_error_propagates(fake_cuda):
     model, _ = graphed(fake_cuda)
     with torch.no_grad(), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         model(cuda(torch.randn(2, 5)))  # raised by the eager warm-up
-    assert runner(model).failed is None
+    assert fallbacks(model) == {}
     assert fake_cuda.current_stream() is fake_cuda.default_stream
     with torch.no_grad():
         model(cuda(torch.randn(2, 8)))

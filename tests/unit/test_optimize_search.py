@@ -13,7 +13,7 @@ from torch import nn
 
 from perfsdk import bench
 from perfsdk.errors import NoEffectWarning
-from perfsdk.optimize import search
+from perfsdk.optimize import _candidates, search
 from perfsdk.optimize.search import (
     AMP_GRAD_RTOL,
     AMP_RTOL,
@@ -206,6 +206,32 @@ def test_the_final_comparison_decides(monkeypatch) -> None:
     assert report.speedup < 3
 
 
+def test_slow_steps_get_enough_calls_for_a_median(monkeypatch) -> None:
+    """min_time=0.01 s would time a 20 ms step once per round; each comparison times at least
+    SCREEN_CALLS eager calls instead, and the deciding one at least FINAL_CALLS and twice as
+    long as a screening one."""
+    seen: list[tuple[list[str], float, int]] = []
+    compare = bench.compare
+
+    def spy(fns: Any, *args: Any, **kwargs: Any) -> bench.Comparison:
+        result = compare(fns, *args, **kwargs)
+        seen.append((list(fns), kwargs["min_time"], result.results[BASELINE].iters))
+        return result
+
+    monkeypatch.setattr(search.bench, "compare", spy)
+    monkeypatch.setattr(search, "apply_amp", fake(2.0))
+    model = Sleepy()  # 20 ms a call, so a calibrated min_time is at least calls x 20 ms
+    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, channels_last=False,
+                         compile=False, min_time=0.01, progress=False)
+    (screen_fns, screen_time, screen_calls), (final_fns, final_time, final_calls) = seen
+    assert screen_fns == final_fns == [BASELINE, "amp(bf16)"]
+    assert screen_time >= search.SCREEN_CALLS * 0.02
+    assert final_time >= max(2 * screen_time, search.FINAL_CALLS * 0.02)
+    assert screen_calls >= search.SCREEN_CALLS // 2  # a busy machine may stretch some calls
+    assert final_calls > screen_calls
+    assert report.chosen == "amp(bf16)"
+
+
 def test_auto_returns_eager_when_nothing_beats_it(monkeypatch) -> None:
     monkeypatch.setattr(search, "apply_amp", fake(0.7))
     monkeypatch.setattr(search, "apply_compile", fake(0.5))
@@ -226,15 +252,15 @@ def test_ties_go_to_the_candidate_with_fewer_transforms() -> None:
         return search.StepResult(name, False, "passed", 1.0, 1.0, None, speedup, None, 0.0, 0.0)
 
     amp, compiled = ((("amp", {}),), (("amp", {}), ("compile", {})))
-    names = [search._name(c, "cpu") for c in (amp, compiled)]
+    names = [_candidates.candidate_name(c, "cpu") for c in (amp, compiled)]
     assert names == ["amp(bf16)", "compile + amp(bf16)"]
     rows = {names[0]: row(names[0], 2.0), names[1]: row(names[1], 2.05)}
-    assert search._choose(rows, [amp, compiled], "cpu") == "amp(bf16)"  # within 3%: simpler
+    assert _candidates.choose(rows, [amp, compiled], "cpu") == "amp(bf16)"  # within 3%: simpler
     rows[names[1]] = row(names[1], 2.2)
-    assert search._choose(rows, [amp, compiled], "cpu") == "compile + amp(bf16)"
+    assert _candidates.choose(rows, [amp, compiled], "cpu") == "compile + amp(bf16)"
     rows = {names[0]: row(names[0], 1.02), names[1]: row(names[1], None)}
-    assert search._choose(rows, [amp, compiled], "cpu") == BASELINE  # < MIN_GAIN: noise
-    reasons = search._reasons({BASELINE: row(BASELINE, 1.0), **rows}, BASELINE)
+    assert _candidates.choose(rows, [amp, compiled], "cpu") == BASELINE  # < MIN_GAIN: noise
+    reasons = _candidates.reasons({BASELINE: row(BASELINE, 1.0), **rows}, BASELINE)
     assert reasons[names[0]].reason == "not faster than baseline (1.02x < 1.03x)"
 
 
