@@ -44,8 +44,10 @@ def flag(arg: str, value: Any, shorthand: tuple[type, ...], key: str) -> Options
 
 def auto_candidates(model: nn.Module, mode: str, device_type: str,
                     flags: dict[str, Any]) -> list[Candidate]:
-    """The candidates of ``optimize(auto=True)``, cheapest first; inductor freezing goes on the
-    fullest compiled combination in inference."""
+    """The candidates of ``optimize(auto=True)``, cheapest first. In inference, autocast also
+    stores the weights in its dtype (``apply_amp(weights=True)``: no per-call weight casts, same
+    rounding) unless the ``amp`` options say otherwise, and inductor freezing goes on the
+    fullest compiled combination."""
     has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
     combos: list[tuple[str, ...]] = [("amp",)]
     if has_conv:
@@ -60,6 +62,9 @@ def auto_candidates(model: nn.Module, mode: str, device_type: str,
     out: list[Candidate] = []
     for i, combo in enumerate(kept):
         cand = tuple((n, dict(flags[n] or {})) for n in combo)
+        amp = dict(cand).get("amp")
+        if amp is not None and mode == "inference":
+            amp.setdefault("weights", True)
         options = dict(cand).get("compile")
         if (i == last_compile and options is not None and mode == "inference"
                 and "freezing" not in options
@@ -75,7 +80,8 @@ def candidate_name(cand: Candidate, device_type: str) -> str:
     parts: list[str] = []
     for transform, options in cand:
         if transform == "amp":
-            parts.append(f"amp({_amp_label(options.get('dtype'), device_type)})")
+            weights = " weights" if options.get("weights") else ""
+            parts.append(f"amp({_amp_label(options.get('dtype'), device_type)}{weights})")
         elif transform == "compile":
             extra = [str(getattr(options[k], "__name__", options[k])) for k in ("backend", "mode")
                      if options.get(k) and options[k] != "inductor"]

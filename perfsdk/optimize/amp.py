@@ -132,8 +132,32 @@ class _AmpForward:
         return f"<perfsdk amp forward: autocast({self.device_type!r}, {self.dtype})>"
 
 
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+          *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+"""Normalization layers keep float32 weights with ``weights=True`` (autocast runs them in float32
+or accepts mixed dtypes; their statistics need the range)."""
+
+
+def _store_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Floating parameters and buffers of every non-normalization module to ``dtype``, in place
+    (the Parameter objects stay the same); returns how many tensors changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, _NORMS):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                changed += 1
+        for key, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[key] = buf.to(dtype)
+                changed += 1
+    return changed
+
+
 def apply_amp(model: nn.Module, *, dtype: torch.dtype | str | None = None,
-              cast_output: bool = True) -> nn.Module:
+              cast_output: bool = True, weights: bool = False) -> nn.Module:
     """Run ``model``'s forward under ``torch.autocast``, in place.
 
     The autocast device is that of the model's first parameter or buffer (CPU when it has none).
@@ -147,6 +171,14 @@ def apply_amp(model: nn.Module, *, dtype: torch.dtype | str | None = None,
             namedtuples, lists and plain dicts) back to the dtype of the first floating-point
             input (the first floating parameter's dtype when no input is floating). False: the
             outputs stay in reduced precision.
+        weights: Inference only (the model must be in eval mode): also *store* the floating
+            parameters and buffers in ``dtype`` (normalization layers keep float32), instead of
+            letting autocast cast every weight again on every call. For a model with large
+            Linear layers that cast is most of the time bf16 takes (SimpleNet's 103-million
+            weight ``fc1``), and stored bf16 weights let ``apply_compile(freezing=True)`` fold
+            them into the compiled code. Half the weight memory; ``state_dict()`` keeps its keys
+            and loads into a float32 copy (values rounded to ``dtype``). Do not train such a
+            model: the optimizer would update ``dtype`` weights.
 
     Returns:
         The same module object. Applying it twice warns (:class:`NoEffectWarning`) and changes
@@ -164,9 +196,13 @@ def apply_amp(model: nn.Module, *, dtype: torch.dtype | str | None = None,
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"apply_amp: model={type(model).__name__} is not an nn.Module")
-    if not isinstance(cast_output, bool):
-        raise ValueError(f"apply_amp: cast_output={cast_output!r}; accepted values are True, "
-                         "False")
+    for arg, value in (("cast_output", cast_output), ("weights", weights)):
+        if not isinstance(value, bool):
+            raise ValueError(f"apply_amp: {arg}={value!r}; accepted values are True, False")
+    if weights and model.training:
+        raise ValueError("apply_amp: weights=True is for inference only and the model is in "
+                         "training mode; call model.eval() first (accepted: weights=True on an "
+                         "eval-mode model, weights=False otherwise)")
     device_type = _device_type(model)
     chosen = _dtype(dtype, device_type)
     if chosen == torch.float16 and device_type == "cpu":
@@ -188,8 +224,8 @@ def apply_amp(model: nn.Module, *, dtype: torch.dtype | str | None = None,
     fallback = next((p.dtype for p in model.parameters() if p.is_floating_point()),
                     torch.get_default_dtype())
     inner = model.__dict__.get("forward")
-    model.forward = _AmpForward(model, inner, device_type, chosen,
-                                bool(cast_output), fallback)
+    model.forward = _AmpForward(model, inner, device_type, chosen, cast_output, fallback)
+    stored = _store_weights(model, chosen) if weights else 0
     mark(model, "amp", dtype=str(chosen).removeprefix("torch."), device_type=device_type,
-         cast_output=bool(cast_output))
+         cast_output=cast_output, weights=weights, stored=stored)
     return model

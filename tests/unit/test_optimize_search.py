@@ -150,10 +150,10 @@ def test_auto_rejects_wrong_and_slower_candidates(fakes, monkeypatch) -> None:
     out, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, **SLEEPY)
     assert out is model
     by = rows(report)
-    assert list(by) == [BASELINE, "amp(bf16)", "channels_last", "channels_last + amp(bf16)",
-                        "compile", "compile + amp(bf16)",
-                        "compile + channels_last + amp(bf16) + freezing"]
-    for name in ("amp(bf16)", "channels_last + amp(bf16)", "compile + amp(bf16)"):
+    amp = "amp(bf16 weights)"
+    assert list(by) == [BASELINE, amp, "channels_last", f"channels_last + {amp}", "compile",
+                        f"compile + {amp}", f"compile + channels_last + {amp} + freezing"]
+    for name in (amp, f"channels_last + {amp}", f"compile + {amp}"):
         assert by[name].reason.startswith("out of tolerance: max error "), by[name]
         assert by[name].reason.endswith(f"> {AMP_RTOL:g}")
         assert by[name].speedup is None
@@ -202,7 +202,8 @@ def test_the_final_comparison_decides(monkeypatch) -> None:
     assert by["compile"].speedup is not None
     assert by["compile"].speedup < 1.5  # the final comparison's number, not the lucky one
     assert not by["compile"].applied
-    assert report.chosen in ("amp(bf16)", "compile + amp(bf16)", "compile + amp(bf16) + freezing")
+    amp = "amp(bf16 weights)"
+    assert report.chosen in (amp, f"compile + {amp}", f"compile + {amp} + freezing")
     assert report.speedup < 3
 
 
@@ -224,12 +225,12 @@ def test_slow_steps_get_enough_calls_for_a_median(monkeypatch) -> None:
     _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, channels_last=False,
                          compile=False, min_time=0.01, progress=False)
     (screen_fns, screen_time, screen_calls), (final_fns, final_time, final_calls) = seen
-    assert screen_fns == final_fns == [BASELINE, "amp(bf16)"]
+    assert screen_fns == final_fns == [BASELINE, "amp(bf16 weights)"]
     assert screen_time >= search.SCREEN_CALLS * 0.02
     assert final_time >= max(2 * screen_time, search.FINAL_CALLS * 0.02)
     assert screen_calls >= search.SCREEN_CALLS // 2  # a busy machine may stretch some calls
     assert final_calls > screen_calls
-    assert report.chosen == "amp(bf16)"
+    assert report.chosen == "amp(bf16 weights)"
 
 
 def test_auto_returns_eager_when_nothing_beats_it(monkeypatch) -> None:
@@ -241,7 +242,7 @@ def test_auto_returns_eager_when_nothing_beats_it(monkeypatch) -> None:
     assert report.speedup == 1.0
     assert report.steps[0].applied
     assert report.steps[0].reason.startswith("chosen")
-    amp = rows(report)["amp(bf16)"]
+    amp = rows(report)["amp(bf16 weights)"]
     assert "than baseline" in amp.reason
     assert not amp.applied
     assert model.delay == 0.02  # unchanged
@@ -264,12 +265,25 @@ def test_ties_go_to_the_candidate_with_fewer_transforms() -> None:
     assert reasons[names[0]].reason == "not faster than baseline (1.02x < 1.03x)"
 
 
+def test_inference_candidates_store_weights_in_the_autocast_dtype() -> None:
+    """In inference autocast also stores the weights (no per-call casts, same rounding); not in
+    training (the optimizer needs float32 weights), nor when the amp options say no."""
+    def amp_options(mode: str, amp: Any = None) -> list[dict[str, Any]]:
+        flags = {"amp": amp or {}, "compile": {}, "channels_last": {}, "cuda_graphs": None}
+        cands = _candidates.auto_candidates(TinyCNN(), mode, "cpu", flags)
+        return [dict(c)["amp"] for c in cands if "amp" in dict(c)]
+
+    assert amp_options("inference") == [{"weights": True}] * 4
+    assert amp_options("train") == [{}] * 4
+    assert amp_options("inference", {"weights": False}) == [{"weights": False}] * 4
+
+
 def test_budget_skips_candidates_not_started(fakes, monkeypatch) -> None:
     monkeypatch.setattr(search, "apply_amp", fake(1.0, cost=0.8))
     model = Sleepy()
     _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, budget_s=0.5, **SLEEPY)
     by = rows(report)
-    assert by["amp(bf16)"].reason != "budget"  # started in time, so it finished
+    assert by["amp(bf16 weights)"].reason != "budget"  # started in time, so it finished
     rest = [s for s in report.steps[2:]]
     assert rest
     assert all(s.reason == "budget" and not s.applied for s in rest)

@@ -174,7 +174,49 @@ def test_amp_matmuls_run_in_bfloat16(name: str, probe: str, cast_output: bool) -
     assert seen == [torch.bfloat16]
     assert out.dtype == (torch.float32 if cast_output else torch.bfloat16)
     assert applied(model)["amp"] == {"dtype": "bfloat16", "device_type": "cpu",
-                                     "cast_output": cast_output}
+                                     "cast_output": cast_output, "weights": False, "stored": 0}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast casts per call
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_amp_weights_stores_bfloat16_weights_for_inference(name: str) -> None:
+    """weights=True: the same outputs as autocast alone (it rounds the same weights), half the
+    weight bytes, the same Parameter objects, norms kept in float32, state_dict loadable."""
+    make = MODELS[name]
+    model, x = make()
+    model.eval()
+    autocast_only = apply_amp(copy.deepcopy(model))
+    params = {n: p for n, p in model.named_parameters()}
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert apply_amp(model, weights=True) is model
+    assert {n: p for n, p in model.named_parameters()} == params  # same objects (optimizers)
+    for pname, p in model.named_parameters():
+        norm = isinstance(model.get_submodule(pname.rpartition(".")[0]), nn.LayerNorm)
+        assert p.dtype == (torch.float32 if norm else torch.bfloat16), pname
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert after < 0.51 * before
+    out = _eval_out(model, x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, _eval_out(autocast_only, x), rtol=1e-2, atol=1e-3)
+    assert _rel_err(out, _eval_out(make()[0], x)) < 5e-2
+    record = applied(model)["amp"]
+    assert record["weights"] is True
+    assert record["stored"] == sum(p.dtype == torch.bfloat16 for p in model.parameters())
+    fresh, _ = make()
+    assert list(model.state_dict()) == list(fresh.state_dict())
+    fresh.load_state_dict(model.state_dict())  # float32 model, bf16 values: cast on load
+    for (key, got), want in zip(fresh.state_dict().items(), model.state_dict().values(),
+                                strict=True):
+        assert got.dtype == torch.float32 or not got.is_floating_point(), key
+        assert torch.equal(got, want.to(got.dtype)), key
+
+
+def test_amp_weights_refuses_a_training_model() -> None:
+    model, _ = _simplenet()
+    with pytest.raises(ValueError, match=r"weights=True is for inference.*model.eval\(\)"):
+        apply_amp(model.train(), weights=True)
+    assert applied(model) == {}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, "bf16", "bfloat16", "BF16"])
@@ -226,6 +268,7 @@ def test_amp_twice_warns_and_changes_nothing() -> None:
     ({"dtype": torch.float16}, "dtype=torch.float16.*bfloat16"),
     ({"dtype": "fp16"}, "dtype='fp16'.*CPU"),
     ({"cast_output": "yes"}, "cast_output='yes'"),
+    ({"weights": 1}, "weights=1; accepted values are True, False"),
 ])
 def test_amp_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     model = nn.Linear(2, 2)
