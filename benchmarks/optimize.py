@@ -52,17 +52,23 @@ BEST_FRACTION_MIN = 0.95  # optimize's speedup / best by hand
 RETIME_TOLERANCE = 0.10  # |report median / independent median - 1|
 MIN_CALLS = 10  # the comparison by hand and the re-timing time at least this many eager calls
 
-# name -> (channels_last, bf16 autocast, torch.compile, inductor freezing)
-HAND: dict[str, tuple[bool, bool, bool, bool]] = {
-    "eager fp32": (False, False, False, False),
-    "bf16": (False, True, False, False),
-    "channels-last": (True, False, False, False),
-    "channels-last + bf16": (True, True, False, False),
-    "compile": (False, False, True, False),
-    "compile + bf16": (False, True, True, False),
-    "compile + channels-last + bf16": (True, True, True, False),
-    "compile + bf16 + freezing": (False, True, True, True),
-    "compile + channels-last + bf16 + freezing": (True, True, True, True),
+# name -> (channels_last, bf16 autocast, torch.compile, inductor freezing, bf16 weights); "bf16
+# weights" is the plain-torch inference idiom: model.to(torch.bfloat16), inputs cast to bf16,
+# outputs back to float32, no autocast
+HAND: dict[str, tuple[bool, bool, bool, bool, bool]] = {
+    "eager fp32": (False, False, False, False, False),
+    "bf16": (False, True, False, False, False),
+    "bf16 weights": (False, False, False, False, True),
+    "channels-last": (True, False, False, False, False),
+    "channels-last + bf16": (True, True, False, False, False),
+    "channels-last + bf16 weights": (True, False, False, False, True),
+    "compile": (False, False, True, False, False),
+    "compile + bf16": (False, True, True, False, False),
+    "compile + channels-last + bf16": (True, True, True, False, False),
+    "compile + bf16 + freezing": (False, True, True, True, False),
+    "compile + channels-last + bf16 + freezing": (True, True, True, True, False),
+    "compile + bf16 weights + freezing": (False, False, True, True, True),
+    "compile + channels-last + bf16 weights + freezing": (True, False, True, True, True),
 }
 WORKLOADS = {  # name -> (model kind, mode)
     "simplenet_inference": ("cnn", "inference"),
@@ -135,15 +141,17 @@ def describe(kind: str, mode: str, quick: bool) -> str:
 
 def hand_variants(kind: str, mode: str, args: argparse.Namespace) -> list[str]:
     """The issue's combinations for this workload (freezing only with inductor, inference)."""
-    cnn = kind == "cnn"
-    names = ["eager fp32", "bf16"]
+    cnn, infer = kind == "cnn", mode == "inference"
+    names = ["eager fp32", "bf16"] + (["bf16 weights"] if infer else [])
     names += ["channels-last", "channels-last + bf16"] if cnn else []
+    names += ["channels-last + bf16 weights"] if cnn and infer else []
     names += ["compile", "compile + bf16"]
-    if mode == "train":
+    if not infer:
         names += ["compile + channels-last + bf16"] if cnn else []
     elif args.backend == "inductor":
-        names.append("compile + channels-last + bf16 + freezing" if cnn
-                     else "compile + bf16 + freezing")
+        names += (["compile + channels-last + bf16 + freezing",
+                   "compile + channels-last + bf16 weights + freezing"] if cnn
+                  else ["compile + bf16 + freezing", "compile + bf16 weights + freezing"])
     return names
 
 
@@ -167,13 +175,15 @@ def step_fn(model: Any, mode: str, loss_fn: Any,
     return train
 
 
-def by_hand(base: Any, spec: tuple[bool, bool, bool, bool], mode: str, loss_fn: Any,
+def by_hand(base: Any, spec: tuple[bool, bool, bool, bool, bool], mode: str, loss_fn: Any,
             backend: str) -> tuple[Any, Callable[..., Any]]:
     """A copy of ``base`` with the combination done by hand, and its step function."""
     import torch
 
-    channels_last, bf16, comp, freezing = spec
+    channels_last, bf16, comp, freezing, weights = spec
     model = copy.deepcopy(base)
+    if weights:
+        model = model.to(torch.bfloat16)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     runner = model
@@ -182,6 +192,8 @@ def by_hand(base: Any, spec: tuple[bool, bool, bool, bool], mode: str, loss_fn: 
         runner = torch.compile(model, backend=backend, options=options)
 
     def forward(x: Any) -> Any:
+        if weights:
+            x = x.to(torch.bfloat16)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
@@ -211,7 +223,7 @@ def within_tolerance(variant: str, out_error: float, grad_error: float) -> bool:
     """optimize()'s default tolerances (perfsdk.optimize.search) applied to a by-hand variant."""
     from perfsdk.optimize.search import AMP_GRAD_RTOL, AMP_RTOL, FP32_GRAD_RTOL, FP32_RTOL
 
-    amp = HAND[variant][1]
+    amp = HAND[variant][1] or HAND[variant][4]  # reduced precision: autocast or bf16 weights
     return (out_error <= (AMP_RTOL if amp else FP32_RTOL)
             and grad_error <= (AMP_GRAD_RTOL if amp else FP32_GRAD_RTOL))
 
