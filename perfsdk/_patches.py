@@ -1,0 +1,175 @@
+"""What ``perfsdk run`` patches into an unmodified training script, and takes out again.
+
+While :class:`RunPatches` is installed:
+
+- every ``DataLoader`` iteration waits for each batch inside a ``data_wait`` region,
+- ``Tensor.backward()`` runs inside a ``backward`` region,
+- every optimizer's ``step()`` runs inside an ``optimizer`` region,
+- the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
+  region.
+
+The first three are wrapt wrappers on the classes (``FunctionWrapper``), restored by
+:meth:`RunPatches.remove`. The module call is patched with a plain Python function instead:
+``torch.compile`` inlines a Python function through ``Module.__call__`` and steps over it
+(:func:`torch.compiler.is_compiling`), while a C-level wrapt wrapper there would break the graph
+at every layer of a compiled model.
+
+Example:
+    >>> import torch
+    >>> from perfsdk.testing import capture
+    >>> model = torch.nn.Linear(4, 2)
+    >>> with capture() as cap, RunPatches():
+    ...     model(torch.ones(1, 4)).sum().backward()
+    >>> sorted(r.name for r in cap.regions)
+    ['Linear.forward', 'backward']
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+import wrapt
+from torch import nn
+
+from perfsdk.timing import timed_region
+
+__all__ = ["RunPatches"]
+
+_in_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("perfsdk_run_forward",
+                                                                  default=False)
+_lock = threading.Lock()
+_BACKWARD = timed_region("backward", category="compute")
+_OPTIMIZER = timed_region("optimizer", category="update")
+_DATA_WAIT = timed_region("data_wait", category="data")
+_FORWARD: dict[str, timed_region] = {}
+
+
+class _DataWait:
+    """An iterator whose every ``next()`` is a ``data_wait`` region."""
+
+    __slots__ = ("_batch", "_inner")
+
+    def __init__(self, inner: Iterator[Any]) -> None:
+        self._inner = inner
+        self._batch = 0
+
+    def __iter__(self) -> _DataWait:
+        return self
+
+    def __next__(self) -> Any:
+        end = False
+        with _DATA_WAIT as region:  # the last wait (for the end) is a wait too, not an error
+            region.set_attribute("perfsdk.batch", self._batch)
+            try:
+                item = next(self._inner)
+            except StopIteration:
+                end = True
+        if end:
+            raise StopIteration
+        self._batch += 1
+        return item
+
+    def __getattr__(self, name: str) -> Any:  # _MultiProcessingDataLoaderIter's own API
+        return getattr(self._inner, name)
+
+
+def _forward_region(module: nn.Module) -> timed_region:
+    inner = getattr(module, "_orig_mod", module)  # torch.compile(model): name the model
+    name = f"{type(inner).__name__}.forward"
+    region = _FORWARD.get(name)
+    if region is None:
+        region = _FORWARD.setdefault(name, timed_region(name, category="forward"))
+    return region
+
+
+class RunPatches:
+    """Install the patches (``install()`` or ``with``); ``remove()`` restores every class.
+
+    Installing twice, or while another :class:`RunPatches` is installed, raises RuntimeError:
+    the patches are process-wide.
+    """
+
+    _installed: RunPatches | None = None
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._wrapped_steps: set[type] = set()
+
+    def install(self) -> RunPatches:
+        with _lock:
+            if RunPatches._installed is not None:
+                raise RuntimeError("perfsdk: run patches are already installed in this process")
+            RunPatches._installed = self
+        loader = torch.utils.data.DataLoader
+        self._patch(loader, "__iter__", wrapt.FunctionWrapper(loader.__iter__, _iter_wrapper))
+        self._patch(torch.Tensor, "backward",
+                    wrapt.FunctionWrapper(torch.Tensor.backward, _region_wrapper(_BACKWARD)))
+        self._patch(torch.optim.Optimizer, "__init__",
+                    wrapt.FunctionWrapper(torch.optim.Optimizer.__init__, self._init_wrapper))
+        original_call = nn.Module.__call__
+        self._patch(nn.Module, "__call__", _module_call(original_call))
+        return self
+
+    def remove(self) -> None:
+        """Restore every patched class attribute (in reverse order); idempotent."""
+        while self._undo:
+            owner, name, original = self._undo.pop()
+            setattr(owner, name, original)
+        self._wrapped_steps.clear()
+        with _lock:
+            if RunPatches._installed is self:
+                RunPatches._installed = None
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        self._undo.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, replacement)
+
+    def _init_wrapper(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """Optimizer construction: wrap its class's ``step`` once (user classes included)."""
+        result = wrapped(*args, **kwargs)
+        cls = type(instance)
+        with _lock:
+            if cls not in self._wrapped_steps and "step" in cls.__dict__:
+                self._wrapped_steps.add(cls)
+                step = wrapt.FunctionWrapper(cls.__dict__["step"], _region_wrapper(_OPTIMIZER))
+                self._patch(cls, "step", step)
+        return result
+
+    def __enter__(self) -> RunPatches:
+        return self.install()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.remove()
+
+
+def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+    return _DataWait(iter(wrapped(*args, **kwargs)))
+
+
+def _region_wrapper(region: timed_region) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        with region:
+            return wrapped(*args, **kwargs)
+    return wrapper
+
+
+def _module_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _in_forward.get():
+            return original(self, *args, **kwargs)
+        token = _in_forward.set(True)
+        try:
+            with _forward_region(self):
+                return original(self, *args, **kwargs)
+        finally:
+            _in_forward.reset(token)
+    return __call__

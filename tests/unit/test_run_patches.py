@@ -1,0 +1,127 @@
+"""perfsdk run's patches: a real training loop (DataLoader with workers, a model with layers,
+backward, SGD and a user-defined optimizer) gets data_wait / forward / backward / optimizer
+regions with nothing changed in its code, and removing the patches restores every class."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from perfsdk._patches import RunPatches
+from perfsdk.testing import capture
+
+
+class Slow(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.01)
+        return torch.randn(4), torch.tensor(i % 2)
+
+
+class Plain(torch.optim.Optimizer):
+    """A user-defined optimizer class: its own step is wrapped too."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def train(optimizer_cls, workers: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = optimizer_cls(model.parameters(), lr=0.1)
+    loader = DataLoader(Slow(), batch_size=4, num_workers=workers)
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+CLASSES = {"DataLoader.__iter__": (DataLoader, "__iter__"),
+           "Tensor.backward": (torch.Tensor, "backward"),
+           "Optimizer.__init__": (torch.optim.Optimizer, "__init__"),
+           "Module.__call__": (nn.Module, "__call__"),
+           "SGD.step": (torch.optim.SGD, "step"), "Plain.step": (Plain, "step")}
+
+
+@pytest.mark.parametrize(("optimizer_cls", "workers"), [(torch.optim.SGD, 2), (Plain, 0)])
+def test_a_plain_training_loop_gets_its_regions(optimizer_cls, workers) -> None:
+    for cls in (torch.optim.SGD, Plain):  # torch hooks a class's step at its first instance
+        cls([nn.Parameter(torch.zeros(1))])
+    before = {k: owner.__dict__[name] for k, (owner, name) in CLASSES.items()}
+    expected = train(optimizer_cls, workers)
+    with capture() as cap, RunPatches():
+        got = train(optimizer_cls, workers)
+    names = [r.name for r in cap.regions]
+    assert names.count("data_wait") == 4  # 3 batches and the wait for the end
+    assert names.count("Sequential.forward") == 3  # the model, not its layers
+    assert names.count("backward") == 3
+    assert names.count("optimizer") == 3
+    assert not [n for n in names if n.startswith(("Linear", "ReLU"))]
+    waits = [r for r in cap.regions if r.name == "data_wait"]
+    assert [r.attributes["perfsdk.batch"] for r in waits] == [0, 1, 2, 3]
+    assert all(r.error is None for r in cap.regions)
+    if not workers:  # each batch is 4 x 10 ms of __getitem__ on this thread
+        assert all(r.host_ms >= 39 for r in waits[:3])
+    for a, b in zip(got.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # the program computes what it did
+    after = {k: owner.__dict__[name] for k, (owner, name) in CLASSES.items()}
+    assert after == before
+
+
+def test_user_errors_propagate_and_regions_close() -> None:
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("bad input")
+
+    with capture() as cap, RunPatches(), pytest.raises(ValueError, match="bad input"):
+        Boom()(torch.ones(1))
+    (region,) = cap.regions
+    assert region.name == "Boom.forward"
+    assert isinstance(region.error, ValueError)
+
+
+def test_installing_twice_is_refused_and_removal_is_idempotent() -> None:
+    patches = RunPatches().install()
+    try:
+        with pytest.raises(RuntimeError, match="already installed"):
+            RunPatches().install()
+    finally:
+        patches.remove()
+        patches.remove()
+    assert not hasattr(nn.Module.__call__, "__wrapped__")
+    with RunPatches():  # installable again
+        pass
+
+
+def test_a_compiled_model_is_one_graph_under_the_patches() -> None:
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(copy.deepcopy(model), backend=counting)
+    x = torch.randn(3, 4)
+    with capture() as cap, RunPatches():
+        out = compiled(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, model(x))
+    assert len(graphs) == 1  # the patched Module.__call__ caused no graph break
+    assert [r.name for r in cap.regions] == ["Sequential.forward"]
