@@ -6,6 +6,7 @@ OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
 """
 
 from perfsdk._version import __version__
+from perfsdk.advisor import Advice, Finding, advise
 from perfsdk.config import Config, configure, get_config
 from perfsdk.decorator import profiled
 from perfsdk.errors import (
@@ -17,13 +18,16 @@ from perfsdk.errors import (
     SyncWarning,
 )
 from perfsdk.export.summary import RegionStats, Summary
+from perfsdk.export.trace import write_trace
 from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
 from perfsdk.region import Region, RegionResult
 from perfsdk.sync import SyncReport, SyncSite, no_sync_guard
 from perfsdk.timing import timed_region
 
 __all__ = (
+    "Advice",
     "Config",
+    "Finding",
     "MissingDependencyError",
     "NoEffectWarning",
     "PerfSDKError",
@@ -37,6 +41,7 @@ __all__ = (
     "SyncSite",
     "SyncWarning",
     "__version__",
+    "advise",
     "configure",
     "diagnostics",
     "flush",
@@ -46,4 +51,5 @@ __all__ = (
     "shutdown",
     "summary",
     "timed_region",
+    "write_trace",
 )

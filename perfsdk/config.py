@@ -48,14 +48,19 @@ PERFSDK_ENABLED: Final = "PERFSDK_ENABLED"
 itself; at run time each call costs one flag test."""
 
 PERFSDK_EXPORTER: Final = "PERFSDK_EXPORTER"
-"""Where spans and metrics go: a comma list of ``otlp``, ``console``, ``file``, or ``none``.
+"""Where spans and metrics go: a comma list of ``otlp``, ``console``, ``file``, ``trace``, or
+``none``. ``trace`` writes every region to a Chrome / Perfetto JSON trace,
+``<output_dir>/trace-<pid>.json``, rewritten whole at each flush and at exit (see docs/trace.md);
+it needs no OpenTelemetry package.
 Default: ``otlp`` when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its ``_TRACES_`` / ``_METRICS_``
 variant) is set, else
 ``none`` (the in-process summary still works). Ignored when the application installed its own
-OpenTelemetry TracerProvider: perfsdk then uses that provider and adds nothing of its own."""
+OpenTelemetry TracerProvider: perfsdk then uses that provider and adds nothing of its own (the
+``trace`` file is still written)."""
 
 PERFSDK_OUTPUT_DIR: Final = "PERFSDK_OUTPUT_DIR"
-"""Directory for files perfsdk writes (the ``file`` exporter's ``spans-<pid>.jsonl``).
+"""Directory for files perfsdk writes (the ``file`` exporter's ``spans-<pid>.jsonl``, the
+``trace`` exporter's ``trace-<pid>.json``).
 Default ``./perfsdk-output``; created on first write."""
 
 PERFSDK_SAMPLE_EVERY: Final = "PERFSDK_SAMPLE_EVERY"
@@ -104,7 +109,7 @@ PERFSDK_SYNC_GUARD: Final = "PERFSDK_SYNC_GUARD"
 SYNC_GUARD_MODES: Final = ("off", "count", "warn", "error")
 """The accepted values of :data:`PERFSDK_SYNC_GUARD` and of ``configure(sync_guard=...)``."""
 
-EXPORTERS: Final = ("otlp", "console", "file", "none")
+EXPORTERS: Final = ("otlp", "console", "file", "none", "trace")
 """The accepted values of :data:`PERFSDK_EXPORTER` and of ``configure(exporter=...)``."""
 
 _OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -316,9 +321,11 @@ def configure(
 
     Args:
         enabled: turn instrumentation on or off at run time.
-        exporter: ``otlp``, ``console``, ``file`` or ``none``, or a list / comma string of them;
-            OpenTelemetry ``SpanExporter`` instances are accepted too (alone or in a list).
-        output_dir: where the ``file`` exporter writes ``spans-<pid>.jsonl``.
+        exporter: ``otlp``, ``console``, ``file``, ``trace`` or ``none``, or a list / comma
+            string of them; OpenTelemetry ``SpanExporter`` instances are accepted too (alone or
+            in a list). ``trace`` writes a Chrome / Perfetto trace file.
+        output_dir: where the ``file`` exporter writes ``spans-<pid>.jsonl`` and the ``trace``
+            exporter ``trace-<pid>.json``.
         sample_every: record every N-th call of each region (N >= 1).
         nvtx: emit NVTX ranges.
         timing: measure regions; False leaves only their NVTX ranges (see PERFSDK_TIMING).

@@ -13,19 +13,32 @@ from perfsdk import memory as _memory
 from perfsdk import sync as _sync
 from perfsdk.config import Config
 from perfsdk.export.summary import Summary, SummarySink
+from perfsdk.export.trace import TraceSink
 from perfsdk.pipeline import PIPELINE
 
 __all__ = ["diagnostics", "flush", "shutdown", "summary"]
 
 SUMMARY = SummarySink()
 PIPELINE.sinks.append(SUMMARY)
+TRACE = TraceSink(_config.get_config())
+PIPELINE.sinks.append(TRACE)
+
+
+def _for_otel(config: Config) -> Config:
+    """The configuration OpenTelemetry's sinks see: without ``trace``, which perfsdk writes
+    itself (see :mod:`perfsdk.export.trace`)."""
+    if "trace" not in config.exporters:
+        return config
+    return dataclasses.replace(config, exporters=tuple(e for e in config.exporters
+                                                       if e != "trace"))
+
 
 try:
     from perfsdk.export.otel import SpanSink
 except ImportError:  # optional: pip install opentelemetry-sdk
     SPANS: Any = None
 else:
-    SPANS = SpanSink(_config.get_config())
+    SPANS = SpanSink(_for_otel(_config.get_config()))
     PIPELINE.sinks.append(SPANS)
 
 
@@ -34,17 +47,22 @@ try:
 except ImportError:  # optional: pip install opentelemetry-sdk
     METRICS: Any = None
 else:
-    METRICS = MetricsSink(_config.get_config(), gpu_readings=_gpu.TELEMETRY.latest)
+    METRICS = MetricsSink(_for_otel(_config.get_config()), gpu_readings=_gpu.TELEMETRY.latest)
     PIPELINE.sinks.append(METRICS)
 
 
 def _on_change(old: Config, new: Config) -> None:
     if new.memory_snapshots != old.memory_snapshots:
         _memory.want_snapshots(new.memory_snapshots)
+    otel_new = _for_otel(new)
+    if SPANS is None and otel_new.exporters:
+        raise errors.MissingDependencyError(
+            "opentelemetry-sdk", "otlp", f"exporter={_config._show(otel_new.exporters)}")
+    if new.exporters != old.exporters or new.output_dir != old.output_dir:
+        PIPELINE.drain(wait=False)  # regions so far go to the trace file under the old settings
+        TRACE.configure(new)
+    old, new = _for_otel(old), otel_new
     if SPANS is None:
-        if new.exporters:
-            raise errors.MissingDependencyError(
-                "opentelemetry-sdk", "otlp", f"exporter={_config._show(new.exporters)}")
         return
     fields = ("exporters", "output_dir", "service_name")
     if any(getattr(old, f) != getattr(new, f) for f in fields):
@@ -108,6 +126,7 @@ def diagnostics() -> dict[str, Any]:
     info["gpu_sampling"] = "off" if sampler is None else "on"
     if sampler is not None:
         info["gpu_sampler_core_fraction"] = sampler.overhead().core_fraction
+    info.update(TRACE.stats())
     if SPANS is not None:
         info["span_mode"] = SPANS._mode or "undecided"
         info.update(SPANS.stats())

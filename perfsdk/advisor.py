@@ -1,0 +1,212 @@
+"""The bottleneck advisor: reads a run's regions and names what to fix first, and how.
+
+:func:`advise` applies deterministic rules, in the order of the optimization loop the course
+material teaches (profile, find the bottleneck, apply the matching fix, measure again):
+
+- ``data``: ``data_wait`` regions take more than :data:`DATA_SHARE` of the loop time;
+  fix ``tune_dataloader(dataset, batch_size)`` / ``DataLoader(num_workers=..., ...)``.
+- ``sync``: regions carry ``perfsdk.syncs``, at least :data:`SYNCS_PER_STEP` per step; fix
+  ``no_sync_guard("error")`` and the fix for each call site.
+- ``launch`` (only with device times): host time at least :data:`LAUNCH_HOST_DEVICE_RATIO`
+  times device time, or GPU utilization below :data:`LAUNCH_UTILIZATION` with short steps;
+  fix ``optimize(model, x, compile=True)`` / ``apply_cuda_graphs``.
+- ``memory``: a peak above :data:`MEMORY_PRESSURE` of ``device_memory_bytes``, or an
+  out-of-memory error; fix ``apply_checkpointing``, AMP, a smaller batch.
+- ``compute``: none of data, sync, launch, and forward/backward take at least
+  :data:`COMPUTE_SHARE`; fix ``apply_amp``, then ``optimize(model, x, auto=True)``.
+
+Findings are ordered by their estimated impact (the share of the loop time at stake). The first
+step is left out as warm-up when there are at least :data:`WARMUP_MIN_STEPS`. What a rule could
+not check (no steps, no device times, no memory records) is listed in ``notes``. See
+docs/advisor.md.
+
+Example:
+    >>> import time, perfsdk
+    >>> from perfsdk.advisor import advise
+    >>> from perfsdk.testing import capture
+    >>> with capture() as cap:
+    ...     for i in range(3):
+    ...         with perfsdk.timed_region("data_wait", category="data"):
+    ...             time.sleep(0.02)  # a slow dataset
+    ...         with perfsdk.timed_region("step", category="step"):
+    ...             time.sleep(0.001)
+    >>> advice = advise(cap.regions)
+    >>> advice.findings[0].kind, advice.findings[0].fix
+    ('data', 'perfsdk.optimize.tune_dataloader(dataset, batch_size)')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from perfsdk._advisor_rules import (
+    COMPUTE_SHARE,
+    DATA_SHARE,
+    LAUNCH_HOST_DEVICE_RATIO,
+    LAUNCH_MIN_IMPACT,
+    LAUNCH_SHORT_STEP_MS,
+    LAUNCH_UTILIZATION,
+    MEMORY_PRESSURE,
+    MEMORY_WEIGHT,
+    RULES,
+    SYNC_MIN_IMPACT,
+    SYNC_STALL_MS,
+    SYNCS_PER_STEP,
+    WARMUP_MIN_STEPS,
+    WARMUP_STEPS,
+    Finding,
+    Run,
+    compute_rule,
+)
+from perfsdk.export.summary import Summary
+from perfsdk.record import RegionResult
+
+__all__ = [
+    "COMPUTE_SHARE", "DATA_SHARE", "KINDS", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
+    "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT",
+    "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
+    "Advice", "Finding", "advise",
+]
+
+KINDS = ("data", "sync", "launch", "memory", "compute")
+"""Finding kinds, in the order that breaks ties of impact."""
+
+_WIDTH = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """What :func:`advise` found: ``str()`` is the terminal text, ``as_dicts()`` the JSON."""
+
+    findings: tuple[Finding, ...]
+    """Most impact first; empty when no rule fired."""
+    notes: tuple[str, ...]
+    """What could not be checked, and why (also: no steps, no regions)."""
+    steps: int
+    """``step`` regions in the run (0: shares are of the whole recorded time)."""
+    basis_ms: float
+    """The time shares are of: the steps plus data wait outside them, else the whole run."""
+    warmup_steps: int = 0
+    """Steps left out at the start as warm-up (not counted in ``steps``)."""
+
+    def __iter__(self) -> Iterator[Finding]:
+        return iter(self.findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    @property
+    def top(self) -> Finding | None:
+        """The finding to act on first, or None."""
+        return self.findings[0] if self.findings else None
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        """The findings as plain dicts (JSON-ready)."""
+        out = []
+        for f in self.findings:
+            d = dataclasses.asdict(f)
+            d["data"], d["details"] = dict(f.data), list(f.details)
+            out.append(d)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything, JSON-ready: ``steps``, ``warmup_steps``, ``basis_ms``, ``findings`` and
+        ``notes``."""
+        return {"steps": self.steps, "warmup_steps": self.warmup_steps,
+                "basis_ms": self.basis_ms, "findings": self.as_dicts(), "notes": list(self.notes)}
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def _block(label: str, lines: Iterable[str]) -> list[str]:
+    out = []
+    for i, line in enumerate(lines):
+        head = f"   {label if i == 0 else '':<9} "
+        wrapped = textwrap.wrap(line, _WIDTH - len(head), break_on_hyphens=False,
+                                break_long_words=False) or [""]
+        out.append(head + wrapped[0])
+        out += [" " * len(head) + "  " + w for w in wrapped[1:]]
+    return out
+
+
+def render(advice: Advice) -> str:
+    """The advice as aligned terminal text."""
+    if advice.steps:
+        warm = f" after {advice.warmup_steps} warm-up" if advice.warmup_steps else ""
+        head = (f"perfsdk advice: {advice.steps} steps{warm}, "
+                f"{advice.basis_ms / advice.steps:,.2f} ms per step "
+                f"({advice.basis_ms:,.1f} ms in all)")
+    else:
+        head = f"perfsdk advice: no steps, {advice.basis_ms:,.1f} ms recorded"
+    lines = [head]
+    if not advice.findings:
+        lines += ["", "No bottleneck found by the rules."]
+    of = "step time" if advice.steps else "recorded time"
+    for n, f in enumerate(advice.findings, 1):
+        at_stake = "" if f.kind == "memory" else f", ~{100 * f.impact:.0f}% of {of}"
+        lines += ["", f"{n}. {f.title}  [{f.severity}{at_stake}]"]
+        lines += _block("evidence", [f.evidence])
+        lines += _block("fix", [f.fix])
+        if f.details:
+            lines += _block("sites" if f.kind == "sync" else "also", f.details)
+    if advice.notes:
+        lines += ["", "Not checked / notes:"]
+        for note in advice.notes:
+            wrapped = textwrap.wrap(note, _WIDTH - 4, break_on_hyphens=False)
+            lines += ["  - " + wrapped[0], *("    " + w for w in wrapped[1:])]
+    return "\n".join(lines)
+
+
+def advise(regions: Iterable[RegionResult], *, device_memory_bytes: int | None = None,
+           summary: Summary | None = None) -> Advice:
+    """Name a run's bottlenecks, with the evidence and the perfsdk call that fixes each.
+
+    Args:
+        regions: the run's resolved regions (``perfsdk.testing.capture().regions``, or
+            ``Region.result()`` of each). Steps are regions named ``step`` (or category
+            ``step``); data wait ``data_wait`` (or category ``data``).
+        device_memory_bytes: the device's total memory, for the memory-pressure rule
+            (``torch.cuda.get_device_properties(0).total_memory``); without it that rule only
+            reports out-of-memory errors.
+        summary: ``perfsdk.summary(show=False)``: its ``sync_sites`` give per-site counts and
+            fixes (and syncs outside any region).
+
+    Returns:
+        An :class:`Advice`: findings ordered by estimated impact, and notes on what was not
+        checked. Never raises on missing data: an empty run gives no findings and a note.
+
+    Raises:
+        ValueError: an argument has the wrong type or range (the message names it).
+    """
+    try:
+        records = tuple(regions)
+    except TypeError:
+        raise ValueError(f"advise: regions must be an iterable of perfsdk.RegionResult, got "
+                         f"{type(regions).__name__}") from None
+    bad = next((r for r in records if not isinstance(r, RegionResult)), None)
+    if bad is not None:
+        raise ValueError(f"advise: regions must hold perfsdk.RegionResult records, got "
+                         f"{type(bad).__name__}")
+    if device_memory_bytes is not None and (
+            isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int)
+            or device_memory_bytes <= 0):
+        raise ValueError(f"advise: device_memory_bytes must be a positive int (bytes) or None, "
+                         f"got {device_memory_bytes!r}")
+    if summary is not None and not isinstance(summary, Summary):
+        raise ValueError(f"advise: summary must be a perfsdk.Summary or None, got "
+                         f"{type(summary).__name__}")
+    run = Run(records, summary, device_memory_bytes)
+    if not records:
+        run.notes.append("no regions recorded: nothing to check (run the loop inside "
+                         "perfsdk.testing.capture(), with step and data_wait regions)")
+        return Advice((), tuple(run.notes), 0, 0.0)
+    found = [f for f in (rule(run) for rule in RULES) if f is not None]
+    compute = compute_rule(run, found)
+    if compute is not None:
+        found.append(compute)
+    found.sort(key=lambda f: (-f.impact, KINDS.index(f.kind)))
+    return Advice(tuple(found), tuple(run.notes), run.n_steps, run.basis_ms, run.warmup)

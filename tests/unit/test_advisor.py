@@ -1,0 +1,428 @@
+"""The advisor: each rule on a run that has its bottleneck and on one that does not, produced
+for real with regions and sleeps (device times and memory through the fake GPU; NVML readings,
+which only a real GPU gives, on constructed records), plus ordering, text, JSON, missing data and
+a real training loop with a slow dataset."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from types import MappingProxyType
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import perfsdk
+from perfsdk import advisor, timed_region
+from perfsdk._syncops import OPS
+from perfsdk.advisor import Advice, Finding, advise
+from perfsdk.record import RegionResult
+from perfsdk.testing import capture
+
+MiB = 2**20
+_ids = itertools.count(1)
+
+
+def kinds(advice: Advice) -> list[str]:
+    return [f.kind for f in advice.findings]
+
+
+def finding(advice: Advice, kind: str) -> Finding:
+    (found,) = [f for f in advice.findings if f.kind == kind]
+    return found
+
+
+def record(name: str, host_ms: float, *, category: str | None = None, parent: int = 0,
+           device_ms: float | None = None, start_ms: float = 0.0, **attrs: object
+           ) -> RegionResult:
+    """A RegionResult built by hand, for fields only a real GPU fills (NVML readings)."""
+    attributes = dict(attrs)
+    if category:
+        attributes["perfsdk.category"] = category
+    start = int(1e15 + start_ms * 1e6)
+    return RegionResult(name=name, host_ms=host_ms, device_ms=device_ms,
+                        attributes=MappingProxyType(attributes), error=None, start_ns=start,
+                        end_ns=start + int(host_ms * 1e6), trace_id=1, span_id=next(_ids),
+                        parent_span_id=parent, thread_id=1)
+
+
+def loop(steps: int = 4, *, data_s: float = 0.0, step_s: float = 0.0, compute_s: float = 0.0,
+         body=None) -> list[RegionResult]:
+    """A loop of data_wait + step regions (data wait outside the step, as a for loop over a
+    DataLoader has it), with sleeps standing in for the work."""
+    with capture() as cap:
+        for i in range(steps):
+            with timed_region("data_wait", category="data", attributes={"perfsdk.batch": i}):
+                time.sleep(data_s)
+            with timed_region("step", category="step", attributes={"perfsdk.step": i}):
+                with timed_region("forward", category="compute"):
+                    time.sleep(compute_s)
+                time.sleep(step_s)
+                if body is not None:
+                    body(i)
+    return cap.regions
+
+
+# -- data loading ---------------------------------------------------------------------------
+def test_data_bound_run_names_data_loading_with_its_numbers():
+    advice = advise(loop(5, data_s=0.02, step_s=0.002))
+    top = advice.findings[0]
+    assert top.kind == "data"
+    assert top.data["batches"] == 4  # the first step is warm-up
+    assert top.data["data_wait_ms_mean"] >= 20.0
+    assert top.data["share"] > advisor.DATA_SHARE
+    assert top.impact == pytest.approx(top.data["share"], abs=1e-4)
+    assert top.severity == "high"
+    assert top.fix == "perfsdk.optimize.tune_dataloader(dataset, batch_size)"
+    assert any("num_workers=" in d and "pin_memory=True" in d and "persistent_workers=True" in d
+               for d in top.details)
+    assert f"{100 * top.data['share']:.0f}%" in top.evidence
+
+
+def test_fast_data_is_not_a_finding():
+    advice = advise(loop(5, data_s=0.0, step_s=0.05))
+    assert "data" not in kinds(advice)
+
+
+@pytest.mark.parametrize(("data_ms", "found"), [(25.0, True), (15.0, False)])
+def test_data_threshold_is_share_of_loop_time(data_ms, found):
+    regions = []
+    for i in range(4):
+        regions.append(record("data_wait", data_ms, category="data", start_ms=100 * i))
+        regions.append(record("step", 100.0 - data_ms, category="step",
+                              start_ms=100 * i + data_ms))
+    advice = advise(regions)
+    assert ("data" in kinds(advice)) is found
+    if found:
+        assert finding(advice, "data").data["share"] == pytest.approx(data_ms / 100)
+
+
+def test_data_wait_inside_the_step_is_not_counted_twice():
+    regions = []
+    for i in range(2):
+        step = record("step", 100.0, category="step", start_ms=100 * i)
+        regions += [step, record("data_wait", 30.0, category="data", parent=step.span_id)]
+    data = finding(advise(regions), "data")
+    assert data.data["basis_ms"] == pytest.approx(200.0)
+    assert data.data["share"] == pytest.approx(0.3)
+
+
+# -- host-device syncs ------------------------------------------------------------------------
+def _item(i):
+    torch.ones(4).sum().item()  # a host-device sync on a GPU
+
+
+def test_syncs_every_step_are_named_with_site_and_fix():
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        regions = loop(4, body=_item)
+    advice = advise(regions, summary=perfsdk.summary(show=False))
+    sync = finding(advice, "sync")
+    assert sync.data["syncs"] == 3  # after the warm-up step
+    assert sync.data["syncs_per_step"] == 1.0
+    ((site),) = sync.data["sites"]
+    assert site["where"].endswith("test_advisor.py:" + str(_item.__code__.co_firstlineno + 1))
+    assert site["op"] == "item"
+    assert site["count"] >= 4  # the summary's process-wide count
+    assert 'no_sync_guard("error")' in sync.fix
+    assert sync.details == (f"{site['where']} item ({site['count']}x in all): {OPS['item']}",)
+    assert "1.0 per step (3 in 3 steps)" in sync.evidence
+
+
+def test_sites_come_from_the_regions_without_a_summary():
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        regions = loop(2, body=_item)
+    sync = finding(advise(regions), "sync")
+    assert [s["op"] for s in sync.data["sites"]] == ["item"]
+    assert sync.data["sites"][0]["count"] is None
+
+
+def test_no_syncs_no_finding_and_a_note():
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        regions = loop(4)
+    advice = advise(regions)
+    assert "sync" not in kinds(advice)
+    assert any("syncs: none recorded" in n for n in advice.notes)
+
+
+@pytest.mark.parametrize(("every", "found"), [(4, False), (2, True)])
+def test_an_occasional_sync_for_logging_is_below_the_threshold(every, found):
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        regions = loop(5, body=lambda i: _item(i) if i % every == 1 else None)
+    assert sum(r.attributes.get("perfsdk.syncs", 0) for r in regions) == 4 // every
+    # after the warm-up step: 1 sync in 4 steps (< SYNCS_PER_STEP), or 2 in 4 (reported)
+    assert ("sync" in kinds(advise(regions))) is found
+
+
+# -- launch overhead --------------------------------------------------------------------------
+def test_host_much_longer_than_device_is_launch_overhead(fake_cuda):
+    with capture() as cap:
+        for i in range(4):
+            with timed_region("step", category="step", attributes={"perfsdk.step": i}):
+                for _ in range(20):
+                    fake_cuda.launch(0.01)  # tiny kernels
+                time.sleep(0.005)  # the host launching them
+            fake_cuda.complete_all()
+    advice = advise(cap.regions)
+    launch = finding(advice, "launch")
+    assert launch.data["device_ms"] == pytest.approx(3 * 20 * 0.01)  # after the warm-up
+    assert launch.data["host_device_ratio"] >= advisor.LAUNCH_HOST_DEVICE_RATIO
+    assert launch.impact > 0.9
+    assert "optimize(model, x, compile=True)" in launch.fix
+    assert any("apply_cuda_graphs" in d for d in launch.details)
+
+
+def test_busy_gpu_is_not_launch_overhead(fake_cuda):
+    with capture() as cap:
+        for _ in range(4):
+            with timed_region("step", category="step"):
+                fake_cuda.launch(50.0)  # long kernels, the host runs ahead
+            fake_cuda.complete_all()
+    advice = advise(cap.regions)
+    assert "launch" not in kinds(advice)
+    assert not any("launch overhead not checked" in n for n in advice.notes)
+
+
+def test_cpu_only_run_says_launch_overhead_was_not_checked():
+    advice = advise(loop(3, step_s=0.005))
+    assert "launch" not in kinds(advice)
+    assert any(n.startswith("launch overhead not checked: no device times") for n in advice.notes)
+
+
+@pytest.mark.parametrize(("utilization", "step_ms", "found"),
+                         [(0.2, 5.0, True), (0.95, 5.0, False), (0.2, 100.0, False)])
+def test_low_gpu_utilization_with_short_steps(utilization, step_ms, found):
+    # NVML readings exist only on a real GPU: records built by hand. Device time equals host
+    # time here (the events see the idle gaps), so only the utilization can tell.
+    regions = [record("step", step_ms, category="step", device_ms=step_ms, start_ms=i * step_ms,
+                      **{"hw.gpu.utilization": utilization}) for i in range(10)]
+    advice = advise(regions)
+    assert ("launch" in kinds(advice)) is found
+    if found:
+        launch = finding(advice, "launch")
+        assert launch.data["gpu_utilization"] == pytest.approx(utilization)
+        assert launch.impact == pytest.approx(1 - utilization)
+
+
+def test_idle_gpu_explained_by_data_wait_is_not_launch_overhead():
+    regions = []
+    for i in range(4):
+        step = record("step", 10.0, category="step", device_ms=1.0, start_ms=10 * i)
+        regions += [step, record("data_wait", 9.0, category="data", parent=step.span_id,
+                                 start_ms=10 * i)]
+    assert kinds(advise(regions)) == ["data"]
+
+
+# -- memory pressure --------------------------------------------------------------------------
+def _memory_run(fake_cuda, peak):
+    with capture() as cap:
+        for _ in range(2):
+            with timed_region("step", category="step", memory=True):
+                fake_cuda.alloc(peak)
+                fake_cuda.free(peak)
+    return cap.regions
+
+
+def test_peak_near_capacity_is_memory_pressure(fake_cuda):
+    advice = advise(_memory_run(fake_cuda, 950 * MiB), device_memory_bytes=1000 * MiB)
+    memory = finding(advice, "memory")
+    assert memory.data["peak_bytes"] >= 950 * MiB
+    assert memory.data["fraction"] > advisor.MEMORY_PRESSURE
+    assert "apply_checkpointing" in memory.fix
+    assert any("apply_amp" in d for d in memory.details)
+    assert any("smaller batch" in d for d in memory.details)
+    assert "950 MiB of 1,000 MiB (95%" in memory.evidence
+
+
+def test_peak_well_below_capacity_is_no_finding(fake_cuda):
+    advice = advise(_memory_run(fake_cuda, 950 * MiB), device_memory_bytes=4000 * MiB)
+    assert "memory" not in kinds(advice)
+
+
+def test_memory_without_capacity_says_so(fake_cuda):
+    advice = advise(_memory_run(fake_cuda, 950 * MiB))
+    assert "memory" not in kinds(advice)
+    assert any("device capacity unknown" in n for n in advice.notes)
+
+
+def test_no_memory_records_says_so():
+    advice = advise(loop(2), device_memory_bytes=1000 * MiB)
+    assert any(n.startswith("memory pressure not checked: no memory records")
+               for n in advice.notes)
+
+
+# -- compute ----------------------------------------------------------------------------------
+def test_forward_dominating_is_compute_bound():
+    advice = advise(loop(5, compute_s=0.05))
+    assert kinds(advice) == ["compute"]
+    compute = advice.findings[0]
+    assert compute.data["share"] >= advisor.COMPUTE_SHARE
+    assert "apply_amp" in compute.fix
+    assert any("optimize(model, x, auto=True)" in d for d in compute.details)
+    assert "forward" in compute.data["heaviest"]
+
+
+def test_compute_waits_until_the_other_bottlenecks_are_fixed():
+    advice = advise(loop(4, data_s=0.03, compute_s=0.02))
+    assert kinds(advice) == ["data"]
+
+
+def test_small_compute_share_is_no_finding():
+    advice = advise(loop(5, step_s=0.05))  # the step's time is outside forward/backward
+    assert advice.findings == ()
+    assert any(n.startswith("no bottleneck found") for n in advice.notes)
+    assert "No bottleneck found by the rules." in str(advice)
+
+
+def test_per_module_regions_count_once():
+    regions = []
+    for i in range(2):
+        step = record("step", 10.0, category="step", start_ms=10 * i)
+        root = record("Net", 8.0, category="module", parent=step.span_id)
+        regions += [step, root, record("Net.fc", 6.0, category="module", parent=root.span_id)]
+    compute = finding(advise(regions), "compute")
+    assert compute.data["compute_ms"] == pytest.approx(16.0)
+    assert list(compute.data["heaviest"]) == ["Net", "Net.fc"]
+
+
+# -- warm-up ----------------------------------------------------------------------------------
+def test_a_slow_first_step_is_left_out_as_warm_up():
+    with capture() as cap:
+        for i in range(5):
+            with timed_region("data_wait", category="data"):
+                time.sleep(0.01)
+            with timed_region("step", category="step"):
+                time.sleep(0.5 if i == 0 else 0.001)  # compilation, first-call costs
+    advice = advise(cap.regions)
+    assert (advice.steps, advice.warmup_steps) == (4, 1)
+    assert advice.basis_ms < 400
+    assert kinds(advice) == ["data"]
+    assert str(advice).startswith("perfsdk advice: 4 steps after 1 warm-up, ")
+    assert kinds(advise(cap.regions[:6])) == []  # three steps: no warm-up left out
+    assert "warm-up" not in str(advise(cap.regions[:6]))
+
+
+# -- ordering, text, JSON, missing data, arguments --------------------------------------------
+def test_findings_are_ordered_by_impact(fake_cuda):
+    with perfsdk.no_sync_guard("count", assume_device=True), capture() as cap:
+        for i in range(5):  # the first step (the guard's first sync is slow) is warm-up
+            with timed_region("data_wait", category="data"):
+                time.sleep(0.02)
+            with timed_region("step", category="step", memory=True):
+                fake_cuda.alloc(990 * MiB)
+                fake_cuda.free(990 * MiB)
+                _item(i)
+    advice = advise(cap.regions, device_memory_bytes=1000 * MiB)
+    assert kinds(advice) == ["data", "memory", "sync"]
+    impacts = [f.impact for f in advice.findings]
+    assert impacts == sorted(impacts, reverse=True)
+    assert advice.top is advice.findings[0]
+
+
+def test_text_is_aligned_and_names_evidence_and_fix():
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        advice = advise(loop(5, data_s=0.02, body=_item))
+    text = str(advice)
+    lines = text.splitlines()
+    assert lines[0].startswith("perfsdk advice: 4 steps after 1 warm-up, ")
+    assert lines[2].startswith("1. Data loading: the loop waits for batches  [high, ~")
+    assert any(line.startswith("2. Host-device syncs") for line in lines)
+    for label in ("evidence", "fix", "also", "sites"):
+        assert any(line.startswith(f"   {label:<9} ") for line in lines), label
+    column = {line.index("perfsdk.optimize.tune_dataloader") for line in lines
+              if "tune_dataloader" in line}
+    assert column == {len("   evidence  ")}
+    assert "Not checked / notes:" in text
+    assert all(len(line) <= 102 for line in lines)
+
+
+def test_as_dicts_is_json():
+    advice = advise(loop(3, data_s=0.02))
+    (first, *_) = json.loads(json.dumps(advice.as_dicts()))
+    assert first["kind"] == "data"
+    assert set(first) == {f.name for f in dataclasses.fields(Finding)}
+    whole = json.loads(json.dumps(advice.as_dict()))
+    assert whole["steps"] == 3
+    assert whole["notes"] == list(advice.notes)
+
+
+def test_no_regions_says_so():
+    advice = advise([])
+    assert advice.findings == ()
+    assert advice.steps == 0
+    assert advice.notes[0].startswith("no regions recorded")
+    assert "no steps" in str(advice)
+
+
+def test_no_steps_uses_the_whole_run():
+    with capture() as cap:
+        for _ in range(3):
+            with timed_region("data_wait", category="data"):
+                time.sleep(0.02)
+            with timed_region("work"):
+                time.sleep(0.002)
+    advice = advise(cap.regions)
+    assert advice.steps == 0
+    assert advice.basis_ms >= 66.0  # first start to last end
+    assert any(n.startswith("no `step` regions") for n in advice.notes)
+    assert kinds(advice) == ["data"]
+    assert "of recorded time" in finding(advice, "data").evidence
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"regions": 3}, "regions"),
+    ({"regions": ["step"]}, "regions"),
+    ({"regions": [], "device_memory_bytes": 0}, "device_memory_bytes"),
+    ({"regions": [], "device_memory_bytes": 1.5}, "device_memory_bytes"),
+    ({"regions": [], "summary": {}}, "summary"),
+])
+def test_bad_arguments_name_themselves(kwargs, name):
+    regions = kwargs.pop("regions")
+    with pytest.raises(ValueError, match=name):
+        advise(regions, **kwargs)
+
+
+# -- end to end: a real training loop with a slow dataset -------------------------------------
+class SlowDataset(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        time.sleep(0.004)  # decoding a file, augmenting an image
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randint(0, 4, (), generator=g)
+
+
+def test_real_training_loop_with_slow_data_names_data_loading_first():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(SlowDataset(), batch_size=8, num_workers=0)
+    with capture() as cap:
+        batches = iter(loader)
+        for i in itertools.count():
+            with timed_region("data_wait", category="data", attributes={"perfsdk.batch": i}):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            x, y = batch
+            with timed_region("step", category="step",
+                              attributes={"perfsdk.step": i, "perfsdk.samples": len(x)}):
+                with timed_region("forward", category="compute"):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                with timed_region("backward", category="compute"):
+                    loss.backward()
+                with timed_region("optimizer", category="update"):
+                    opt.step()
+                    opt.zero_grad()
+    advice = advise(cap.regions)
+    assert advice.steps == 3
+    assert advice.warmup_steps == 1
+    top = advice.top
+    assert top is not None
+    assert top.kind == "data"
+    assert top.data["batches"] == 4  # three batches and the end of the loader
+    assert top.data["data_wait_ms_mean"] >= 3 * 8 * 0.004 * 1000 / 4  # at least the sleeps
+    assert str(advice).splitlines()[2].startswith("1. Data loading")

@@ -1,0 +1,256 @@
+"""The Chrome / Perfetto trace file: format, nesting, rounding, threads, drops, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import perfsdk
+from perfsdk import clocks
+from perfsdk.config import Config
+from perfsdk.errors import PerfSDKWarning
+from perfsdk.export.trace import TraceSink, write_trace
+from perfsdk.lifecycle import TRACE
+from perfsdk.pipeline import PIPELINE
+from perfsdk.record import RegionResult
+from perfsdk.testing import capture
+
+ORIGIN = clocks.epoch_ns(0)
+
+
+def result(name: str, start: int, end: int, *, span: int, parent: int = 0,
+           thread: int | None = None, **attrs: Any) -> RegionResult:
+    """A region from ``start`` to ``end`` ns on the host clock (perf_counter)."""
+    return RegionResult(name=name, host_ms=(end - start) / 1e6, device_ms=None,
+                        attributes=attrs, error=None, start_ns=ORIGIN + start,
+                        end_ns=ORIGIN + end, trace_id=1, span_id=span, parent_span_id=parent,
+                        thread_id=threading.get_ident() if thread is None else thread)
+
+
+def load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def slices(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in data["traceEvents"] if e["ph"] == "X"]
+
+
+def raw_field(path: Path, name: str, key: str) -> list[str]:
+    """The literal text of ``key`` in the X events called ``name`` (as a consumer reads it)."""
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith('{"ph":"X"') and f'"name":{json.dumps(name)}' in line:
+            out.append(line.split(f'"{key}":')[1].split(",")[0])
+    return out
+
+
+def test_format_of_a_real_run(tmp_path: Path) -> None:
+    with (capture() as cap,
+          perfsdk.timed_region("step", category="step", attributes={"perfsdk.step": 3}),
+          perfsdk.timed_region("forward", category="compute")):
+        pass
+    path = write_trace(tmp_path / "t.json", cap.regions)
+    data = load(path)
+    assert data["displayTimeUnit"] == "ms"
+    assert data["otherData"]["perfsdk.dropped_regions"] == 0
+    assert data["otherData"]["perfsdk.regions"] == 2
+    meta = [e for e in data["traceEvents"] if e["ph"] == "M"]
+    assert {e["name"] for e in meta} >= {"process_name", "thread_name"}
+    lane = next(e for e in meta if e["name"] == "thread_name")
+    assert lane["args"]["name"] == "MainThread"
+    assert lane["tid"] == threading.get_native_id()
+    by_name = {e["name"]: e for e in slices(data)}
+    step, fwd = by_name["step"], by_name["forward"]
+    assert step["cat"] == "step"
+    assert fwd["cat"] == "compute"
+    assert step["pid"] == fwd["pid"] == os.getpid()
+    assert step["tid"] == fwd["tid"] == threading.get_native_id()
+    assert step["args"]["perfsdk.step"] == 3
+    region = cap.named("step")[0]
+    assert step["args"]["perfsdk.host_ms"] == pytest.approx(region.host_ms)
+    assert round(step["ts"] * 1000) == region.start_ns - ORIGIN
+    assert round(step["dur"] * 1000) == region.end_ns - region.start_ns
+    assert step["ts"] <= fwd["ts"]
+    assert fwd["ts"] + fwd["dur"] <= step["ts"] + step["dur"]
+
+
+def test_timestamps_are_exact_nanoseconds(tmp_path: Path) -> None:
+    # Large clock values whose ns digits a float would round away.
+    start = 9_876_543_210_123_457
+    path = write_trace(tmp_path / "t.json", [result("r", start, start + 1001, span=1)])
+    assert raw_field(path, "r", "ts") == ["9876543210123.457"]
+    assert raw_field(path, "r", "dur") == ["1.001"]
+
+
+def test_child_never_sticks_out_and_ties_put_parent_first(tmp_path: Path) -> None:
+    # Parent and child with the same start and the same end, written child first.
+    regions = [result("child", 1000, 2000, span=2, parent=1),
+               result("parent", 1000, 2000, span=1),
+               result("tail", 1999, 2000, span=3, parent=1)]
+    path = write_trace(tmp_path / "t.json", regions)
+    order = [e["name"] for e in slices(load(path))]
+    assert order.index("parent") < order.index("child")
+    assert raw_field(path, "parent", "ts") == raw_field(path, "child", "ts") == ["1.000"]
+    assert raw_field(path, "tail", "ts") == ["1.999"]
+    assert raw_field(path, "tail", "dur") == ["0.001"]
+    lanes = {e["tid"] for e in slices(load(path))}
+    assert len(lanes) == 1
+
+
+def test_overlapping_regions_of_one_thread_get_an_overlap_lane(tmp_path: Path) -> None:
+    # Two asyncio tasks on one thread: a [0, 10) and b [5, 15) overlap without nesting.
+    regions = [result("a", 0, 10_000, span=1), result("b", 5_000, 15_000, span=2),
+               result("c", 20_000, 30_000, span=3)]
+    data = load(write_trace(tmp_path / "t.json", regions))
+    tid = {e["name"]: e["tid"] for e in slices(data)}
+    assert tid["a"] == tid["c"] != tid["b"]
+    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[tid["b"]] == "MainThread (overlap 1)"
+
+
+def test_two_threads_get_two_named_lanes(tmp_path: Path) -> None:
+    done, leave = threading.Event(), threading.Event()
+
+    def work() -> None:
+        with perfsdk.timed_region("on-worker"):
+            pass
+        done.set()
+        leave.wait(10)
+
+    thread = threading.Thread(target=work, name="worker-7")
+    with capture() as cap:
+        thread.start()
+        with perfsdk.timed_region("on-main"):
+            pass
+        done.wait(10)
+        perfsdk.flush()
+        data = load(write_trace(tmp_path / "t.json", cap.regions))
+        leave.set()
+        thread.join()
+    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    tid = {e["name"]: e["tid"] for e in slices(data)}
+    assert names[tid["on-main"]] == "MainThread"
+    assert names[tid["on-worker"]] == "worker-7"
+    assert tid["on-worker"] == thread.native_id
+
+
+def test_args_hold_errors_memory_device_time_and_odd_floats(tmp_path: Path,
+                                                            fake_cuda: Any) -> None:
+    with capture() as cap:
+        with pytest.raises(KeyError), perfsdk.timed_region("bad", memory=True):
+            raise KeyError("missing")
+        with perfsdk.timed_region("odd", attributes={"x": math.nan}):
+            pass
+        fake_cuda.complete_all()
+    data = load(write_trace(tmp_path / "t.json", cap.regions))
+    args = {e["name"]: e["args"] for e in slices(data)}
+    assert args["bad"]["exception.type"] == "KeyError"
+    assert args["bad"]["exception.message"] == "'missing'"
+    assert any(k.startswith("perfsdk.memory.") for k in args["bad"])
+    assert args["bad"]["perfsdk.device_ms"] == cap.named("bad")[0].device_ms is not None
+    assert args["odd"]["x"] == "nan"  # NaN is not JSON; written as a string
+
+
+def test_sink_writes_on_flush_and_counts_drops(tmp_path: Path) -> None:
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path), max_events=3)
+    PIPELINE.sinks.append(sink)
+    try:
+        for i in range(5):
+            with perfsdk.timed_region(f"r{i}"):
+                pass
+        with pytest.warns(PerfSDKWarning, match="at most 3 regions"):
+            perfsdk.flush()
+    finally:
+        PIPELINE.sinks.remove(sink)
+    assert sink.path == tmp_path / f"trace-{os.getpid()}.json"
+    data = load(sink.path)
+    assert [e["name"] for e in slices(data)] == ["r0", "r1", "r2"]
+    assert data["otherData"]["perfsdk.dropped_regions"] == 2
+    assert sink.stats() == {"trace_regions": 3, "trace_regions_dropped": 2}
+
+
+def test_sink_is_off_without_the_trace_exporter(tmp_path: Path) -> None:
+    sink = TraceSink(Config(output_dir=tmp_path))
+    with capture():
+        pass
+    sink.consume([])
+    sink.flush(1.0)
+    assert sink.path is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_flush_replaces_the_file_whole(tmp_path: Path) -> None:
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    path = tmp_path / f"trace-{os.getpid()}.json"
+    with perfsdk.timed_region("first"):
+        pass
+    perfsdk.flush()
+    first = path.stat().st_ino
+    assert [e["name"] for e in slices(load(path))] == ["first"]
+    with perfsdk.timed_region("second"):
+        pass
+    perfsdk.flush()
+    assert [e["name"] for e in slices(load(path))] == ["first", "second"]
+    assert path.stat().st_ino != first  # a new file moved into place, not rewritten in place
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    assert perfsdk.diagnostics()["trace_regions"] == 2
+
+
+def test_turning_the_exporter_off_writes_what_was_collected(tmp_path: Path) -> None:
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    with perfsdk.timed_region("kept"):
+        pass
+    perfsdk.configure(exporter="none")
+    assert TRACE.path is None
+    [path] = tmp_path.iterdir()
+    assert [e["name"] for e in slices(load(path))] == ["kept"]
+
+
+def test_unwritable_directory_warns_once_and_never_raises(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    perfsdk.configure(exporter="trace", output_dir=blocker / "sub")
+    with perfsdk.timed_region("r"):
+        pass
+    with pytest.warns(PerfSDKWarning, match="could not write the trace file"):
+        perfsdk.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        perfsdk.flush()  # the same failure again: counted, not warned again
+
+
+def test_exporter_name_from_environment_and_configure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERFSDK_EXPORTER", "trace")
+    assert Config.from_env().exporters == ("trace",)
+    assert perfsdk.configure(exporter="trace,file").exporters == ("trace", "file")
+    with pytest.raises(ValueError, match="trace"):
+        perfsdk.configure(exporter="perfetto")
+
+
+@pytest.mark.parametrize("path", [None, 3, ""])
+def test_write_trace_rejects_bad_path(path: Any) -> None:
+    with pytest.raises(ValueError, match=r"write_trace\(path="):
+        write_trace(path, [])
+
+
+@pytest.mark.parametrize("regions", [None, "abc", [object()], {"a": 1}])
+def test_write_trace_rejects_bad_regions(regions: Any, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="RegionResult"):
+        write_trace(tmp_path / "t.json", regions)
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_sink_rejects_bad_max_events(value: Any) -> None:
+    with pytest.raises(ValueError, match="max_events"):
+        TraceSink(Config(), max_events=value)
