@@ -34,11 +34,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where spans-<pid>.jsonl goes (PERFSDK_OUTPUT_DIR, ./perfsdk-output)")
     demo.add_argument("--exporter", default="file",
                       help="comma list of otlp, console, file, none (file)")
+    run = commands.add_parser(
+        "run", help="run an unmodified training script with perfsdk's regions patched in, then "
+                    "print the summary and advice",
+        description="Runs SCRIPT as `python SCRIPT ARGS` would, with every DataLoader batch, the "
+                    "model's forward, loss.backward() and optimizer.step() recorded as regions; "
+                    "prints the summary and the advisor's findings and writes the Perfetto "
+                    "trace, the spans and run.json to the output directory. Exits with the "
+                    "script's exit code.")
+    run.add_argument("--output-dir", default=None,
+                     help="where the trace, spans and run.json go (PERFSDK_OUTPUT_DIR, "
+                          "./perfsdk-output)")
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    report = commands.add_parser("report", help="render a saved run again (summary, advice, "
+                                                "trace path)")
+    report.add_argument("directory", help="the output directory of `perfsdk run` or `demo`")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "run":
+        from perfsdk._cli_run import run_script
+
+        return run_script(args.script, args.args, output_dir=args.output_dir, out=sys.stdout,
+                          err=sys.stderr)
+    if args.command == "report":
+        from perfsdk._cli_run import report
+
+        return report(args.directory, out=sys.stdout, err=sys.stderr)
     if args.command == "demo":
         from perfsdk.config import _parse_exporters
         from perfsdk.demo import run_demo

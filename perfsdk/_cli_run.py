@@ -1,0 +1,167 @@
+"""``perfsdk run SCRIPT [ARGS...]`` and ``perfsdk report DIR``.
+
+``run`` executes an unmodified script as ``python SCRIPT ARGS`` would (``sys.argv``,
+``sys.path[0]``, ``__name__ == "__main__"``) with :class:`~perfsdk._patches.RunPatches`
+installed, so its DataLoader iteration, forward, backward and optimizer steps become regions;
+then prints the summary and the advisor's findings, and keeps the run in the output directory:
+the Perfetto trace, the spans (JSON lines) and ``run.json``, which ``report`` renders again.
+The script's own exit code is the command's; an exception it raises prints its traceback (the
+script's frames, not perfsdk's) and exits 1, as Python does.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import perfsdk
+from perfsdk import _device
+from perfsdk._patches import RunPatches
+from perfsdk._runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
+from perfsdk.advisor import Advice, advise
+from perfsdk.config import _OTLP_ENDPOINT_VARS
+from perfsdk.export.summary import render
+
+__all__ = ["check_output_dir", "report", "run_script"]
+
+
+def check_output_dir(directory: Path) -> str | None:
+    """Why ``directory`` cannot take the run's files, or None when it can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".perfsdk-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _exit_code(exc: SystemExit, err: TextIO) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    err.write(f"{code}\n")  # sys.exit("message"): Python prints it and exits 1
+    return 1
+
+
+def _print_traceback(exc: BaseException, script: Path, err: TextIO) -> None:
+    """The traceback from the script's first frame on (runpy's and ours left out)."""
+    tb = exc.__traceback__
+    target = str(script.resolve())
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
+        tb = tb.tb_next
+    err.write("".join(traceback.format_exception(type(exc), exc,
+                                                  tb or exc.__traceback__)))
+
+
+def _exporters() -> tuple[str, ...]:
+    names = ("file", "trace")
+    if any(os.environ.get(var) for var in _OTLP_ENDPOINT_VARS):
+        names += ("otlp",)
+    return names
+
+
+def _device_memory() -> int | None:
+    if not _device.initialized():
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out: TextIO,
+               err: TextIO) -> int:
+    """Run ``script`` instrumented; returns its exit code (2 when it could not be started)."""
+    path = Path(script)
+    if not path.is_file():
+        err.write(f"perfsdk run: {script}: no such file\n")
+        return 2
+    directory = Path(output_dir or perfsdk.get_config().output_dir)
+    problem = check_output_dir(directory)
+    if problem is not None:
+        err.write(f"perfsdk run: --output-dir {directory}: cannot write there ({problem})\n")
+        return 2
+    perfsdk.configure(exporter=_exporters(), output_dir=directory)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    code = 0
+    started = time.perf_counter()
+    with RunRecorder() as recorder:
+        patches = RunPatches().install()
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as exc:
+            code = _exit_code(exc, err)
+        except KeyboardInterrupt:
+            err.write("perfsdk run: interrupted\n")
+            code = 130
+        except BaseException as exc:  # the script's own error: shown as Python would
+            _print_traceback(exc, path, err)
+            code = 1
+        finally:
+            patches.remove()
+            sys.argv, sys.path[:] = saved_argv, saved_path
+        wall_s = time.perf_counter() - started
+        perfsdk.flush()
+    summary = perfsdk.summary(show=False)
+    advice = advise(recorder.regions, summary=summary, device_memory_bytes=_device_memory())
+    files = _files(directory)
+    run_file = save_run(directory, command=[str(path), *args], exit_code=code, wall_s=wall_s,
+                        files=files, summary=summary, regions=recorder.regions,
+                        dropped=recorder.dropped)
+    out.write(f"\nperfsdk run: {path} exited with {code} after {wall_s:.2f} s\n\n")
+    _render(summary, advice, {**files, "run": str(run_file)}, out)
+    return code
+
+
+def _files(directory: Path) -> dict[str, str]:
+    from perfsdk.lifecycle import TRACE
+
+    files: dict[str, str] = {}
+    if TRACE.path is not None and TRACE.path.is_file():
+        files["trace"] = str(TRACE.path)
+    spans = directory / f"spans-{os.getpid()}.jsonl"
+    if spans.is_file():
+        files["spans"] = str(spans)
+    return files
+
+
+def _render(summary: perfsdk.Summary, advice: Advice, files: dict[str, str],
+            out: TextIO) -> None:
+    out.write((render(summary.rows) if summary.rows else "no regions were recorded") + "\n\n")
+    out.write(f"{advice}\n\n")
+    notes = {"trace": "open in https://ui.perfetto.dev or chrome://tracing",
+             "run": f"perfsdk report {Path(files['run']).parent}" if "run" in files else ""}
+    width = max(map(len, files), default=0)
+    out.write("files:\n")
+    for kind, where in files.items():
+        note = notes.get(kind, "")
+        out.write(f"  {kind:<{width}}  {where}" + (f"  ({note})" if note else "") + "\n")
+
+
+def report(directory: str, *, out: TextIO, err: TextIO) -> int:
+    """Render a saved run again: the command, the summary, the advice (derived anew from the
+    saved regions) and the files."""
+    try:
+        run: SavedRun = load_run(directory)
+    except (FileNotFoundError, ValueError) as exc:
+        err.write(f"perfsdk report: {exc}\n")
+        return 2
+    out.write(f"perfsdk report: {' '.join(run.command)} exited with {run.exit_code} after "
+              f"{run.wall_s:.2f} s ({len(run.regions)} regions"
+              + (f", {run.dropped} more not kept" if run.dropped else "") + ")\n\n")
+    advice = advise(run.regions)
+    files = {k: v for k, v in run.files.items() if Path(v).exists()}
+    files["run"] = str(Path(directory) / RUN_FILE)
+    _render(run.summary, advice, files, out)
+    return 0

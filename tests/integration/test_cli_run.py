@@ -1,0 +1,128 @@
+"""``perfsdk run`` on unmodified scripts and ``perfsdk report`` on what it saved, as a user runs
+them: a subprocess, real files, the script's own exit code and traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB = ROOT / "examples" / "lab_unoptimized.py"
+
+
+def perfsdk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERFSDK_", "OTEL_"))}
+    return subprocess.run([sys.executable, "-m", "perfsdk.cli", *args], capture_output=True,
+                          text=True, timeout=180, cwd=cwd, env=env, check=False)
+
+
+def summary_rows(text: str) -> dict[str, int]:
+    """Region name -> calls, from the summary table in ``text``."""
+    rows = {}
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("region "))
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        name, calls = line.split()[:2]
+        rows[name] = int(calls)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def lab_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    tmp = tmp_path_factory.mktemp("run")
+    proc = perfsdk("run", "--output-dir", str(tmp / "out"), str(LAB), "--steps", "12",
+                   cwd=tmp)
+    return proc, tmp / "out"
+
+
+def test_run_measures_an_unmodified_script(lab_run) -> None:
+    proc, out = lab_run
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "training on cpu, batch size 8, 12 batches" in proc.stdout  # the script's own output
+    assert f"perfsdk run: {LAB} exited with 0 after" in proc.stdout
+    rows = summary_rows(proc.stdout)
+    assert rows["SimpleNet.forward"] == 12
+    assert rows["backward"] == 12
+    assert rows["optimizer"] == 12
+    assert rows["data_wait"] == 13  # 12 batches and the wait for the end
+    assert "perfsdk advice" in proc.stdout
+    trace = json.loads(next(out.glob("trace-*.json")).read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert names.count("SimpleNet.forward") == 12
+    assert (out / "run.json").is_file()
+    assert f"perfsdk report {out}" in proc.stdout
+
+
+def test_report_renders_the_saved_run_again(lab_run) -> None:
+    first, out = lab_run
+    proc = perfsdk("report", str(out), cwd=out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"perfsdk report: {LAB} --steps 12 exited with 0 after ")
+    assert summary_rows(proc.stdout) == summary_rows(first.stdout)
+    advice = lambda text: text[text.index("perfsdk advice"):text.index("files:")]  # noqa: E731
+    assert advice(proc.stdout) == advice(first.stdout)  # derived again from the saved regions
+    assert "trace-" in proc.stdout
+
+
+def write(tmp_path: Path, code: str) -> Path:
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    return script
+
+
+def test_the_scripts_exception_is_shown_and_its_exit_code_kept(tmp_path) -> None:
+    script = write(tmp_path, "import sys, torch\n"
+                             "print('args', sys.argv[1:], __name__)\n"
+                             "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
+                             "def fail():\n"
+                             "    raise ValueError('boom')\n"
+                             "fail()\n")
+    proc = perfsdk("run", "--output-dir", str(tmp_path / "out"), str(script), "-x", "--y",
+                   cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "args ['-x', '--y'] __main__" in proc.stdout
+    assert proc.stderr.startswith("Traceback (most recent call last):")
+    assert f'File "{script}", line 6, in <module>' in proc.stderr
+    assert "runpy" not in proc.stderr and "_cli_run" not in proc.stderr
+    assert proc.stderr.rstrip().endswith("ValueError: boom")
+    assert summary_rows(proc.stdout) == {"Linear.forward": 1}  # measured up to the error
+    assert "exited with 1" in proc.stdout
+
+
+@pytest.mark.parametrize(("code", "expected", "stderr"), [
+    ("raise SystemExit(3)", 3, ""), ("import sys; sys.exit('bad config')", 1, "bad config\n"),
+    ("import sys; sys.exit()", 0, "")])
+def test_sys_exit_codes_are_kept(tmp_path, code, expected, stderr) -> None:
+    proc = perfsdk("run", "--output-dir", str(tmp_path / "out"), str(write(tmp_path, code)),
+                   cwd=tmp_path)
+    assert proc.returncode == expected
+    assert proc.stderr == stderr
+
+
+def test_clear_errors_for_a_missing_script_and_an_unwritable_directory(tmp_path) -> None:
+    proc = perfsdk("run", str(tmp_path / "nope.py"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == f"perfsdk run: {tmp_path / 'nope.py'}: no such file\n"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    script = write(tmp_path, "print('never runs')")
+    proc = perfsdk("run", "--output-dir", str(blocker / "out"), str(script), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"perfsdk run: --output-dir {blocker / 'out'}: cannot write "
+                                  "there (")
+    assert "never runs" not in proc.stdout
+    proc = perfsdk("report", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "run.json does not exist" in proc.stderr
+    (tmp_path / "run.json").write_text("{}")
+    proc = perfsdk("report", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "is not a perfsdk run file" in proc.stderr
