@@ -5,8 +5,10 @@ OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
 (:class:`timed_region`).
 """
 
+from perfsdk import auto
 from perfsdk._version import __version__
 from perfsdk.advisor import Advice, Finding, advise
+from perfsdk.auto import instrument_dataloader, instrument_module, step
 from perfsdk.config import Config, configure, get_config
 from perfsdk.decorator import profiled
 from perfsdk.errors import (
@@ -42,13 +44,17 @@ __all__ = (
     "SyncWarning",
     "__version__",
     "advise",
+    "auto",
     "configure",
     "diagnostics",
     "flush",
     "get_config",
+    "instrument_dataloader",
+    "instrument_module",
     "no_sync_guard",
     "profiled",
     "shutdown",
+    "step",
     "summary",
     "timed_region",
     "write_trace",

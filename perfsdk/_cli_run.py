@@ -64,7 +64,7 @@ def _print_traceback(exc: BaseException, script: Path, err: TextIO) -> None:
 
 
 def _exporters() -> tuple[str, ...]:
-    names = ("file", "trace")
+    names: tuple[str, ...] = ("file", "trace")
     if any(os.environ.get(var) for var in _OTLP_ENDPOINT_VARS):
         names += ("otlp",)
     return names

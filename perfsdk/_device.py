@@ -70,6 +70,9 @@ class CudaBackend(Protocol):
     def CUDAGraph(self, keep_graph: bool = False) -> Graph: ...
     def graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
               capture_error_mode: str = "global") -> AbstractContextManager[Any]: ...
+    # capture ranges for nsys --capture-range=cudaProfilerApi (torch.cuda.profiler.start/stop)
+    def profiler_start(self) -> None: ...
+    def profiler_stop(self) -> None: ...
 
 
 class TorchCuda:
@@ -146,6 +149,12 @@ class TorchCuda:
               capture_error_mode: str = "global") -> AbstractContextManager[Any]:
         return torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                                 capture_error_mode=capture_error_mode)
+
+    def profiler_start(self) -> None:
+        torch.cuda.profiler.start()  # type: ignore[no-untyped-call]
+
+    def profiler_stop(self) -> None:
+        torch.cuda.profiler.stop()  # type: ignore[no-untyped-call]
 
 
 _lock = threading.Lock()

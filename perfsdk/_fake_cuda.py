@@ -200,6 +200,7 @@ class FakeCuda:
         self.capturing: FakeGraph | None = None
         self.graphs_captured = 0
         self.replays = 0
+        self.profiler_calls: list[str] = []  # "start" / "stop" (cudaProfilerStart/Stop)
 
     # the torch.cuda subset
     def is_initialized(self) -> bool:
@@ -238,6 +239,12 @@ class FakeCuda:
                 yield
             finally:
                 cuda_graph.capture_end()
+
+    def profiler_start(self) -> None:
+        self.profiler_calls.append("start")
+
+    def profiler_stop(self) -> None:
+        self.profiler_calls.append("stop")
 
     def synchronize(self, device: Any = None) -> None:
         self._synced("synchronize")

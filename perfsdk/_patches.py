@@ -2,7 +2,8 @@
 
 While :class:`RunPatches` is installed:
 
-- every ``DataLoader`` iteration waits for each batch inside a ``data_wait`` region,
+- every ``DataLoader`` batch starts a ``step`` region (samples = the batch's first dimension),
+  and the wait for it is a ``data_wait`` region inside it,
 - ``Tensor.backward()`` runs inside a ``backward`` region,
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
@@ -35,7 +36,9 @@ from typing import Any
 import torch
 import wrapt
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
+from perfsdk.auto import STEPS, _DataWaitIterator
 from perfsdk.timing import timed_region
 
 __all__ = ["RunPatches"]
@@ -45,37 +48,51 @@ _in_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("perfsdk_run_
 _lock = threading.Lock()
 _BACKWARD = timed_region("backward", category="compute")
 _OPTIMIZER = timed_region("optimizer", category="update")
-_DATA_WAIT = timed_region("data_wait", category="data")
 _FORWARD: dict[str, timed_region] = {}
 
 
-class _DataWait:
-    """An iterator whose every ``next()`` is a ``data_wait`` region."""
+class _Batches:
+    """A DataLoader iterator for ``perfsdk run``: each batch starts a step (``perfsdk.auto``'s
+    steps, ended by the next batch or by :meth:`RunPatches.remove`), and the wait for it is a
+    ``data_wait`` region inside that step (``perfsdk.auto.instrument_dataloader``'s)."""
 
-    __slots__ = ("_batch", "_inner")
+    __slots__ = ("_inner", "_length", "_seen")
 
-    def __init__(self, inner: Iterator[Any]) -> None:
-        self._inner = inner
-        self._batch = 0
+    def __init__(self, inner: Iterator[Any], length: int | None) -> None:
+        self._inner = _DataWaitIterator(inner, length)
+        self._length = length
+        self._seen = 0
 
-    def __iter__(self) -> _DataWait:
+    def __iter__(self) -> _Batches:
         return self
 
     def __next__(self) -> Any:
-        end = False
-        with _DATA_WAIT as region:  # the last wait (for the end) is a wait too, not an error
-            region.set_attribute("perfsdk.batch", self._batch)
-            try:
-                item = next(self._inner)
-            except StopIteration:
-                end = True
-        if end:
-            raise StopIteration
-        self._batch += 1
+        if self._length is not None and self._seen >= self._length:
+            STEPS.end()  # the end of the epoch: no step of its own
+            return next(self._inner)
+        step = STEPS.step()
+        try:
+            item = next(self._inner)
+        except StopIteration:
+            step.end()
+            raise
+        self._seen += 1
+        samples = _batch_size(item)
+        if samples is not None:
+            step.samples = samples
+            if step.region is not None:
+                step.region.set_attribute("perfsdk.samples", samples)
         return item
 
     def __getattr__(self, name: str) -> Any:  # _MultiProcessingDataLoaderIter's own API
         return getattr(self._inner, name)
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The first dimension of the batch's first tensor (through tuples, lists and dicts)."""
+    leaves = tree_leaves(batch)
+    first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
+    return None if first is None else int(first.shape[0]) or None
 
 
 def _forward_region(module: nn.Module) -> timed_region:
@@ -105,6 +122,7 @@ class RunPatches:
             if RunPatches._installed is not None:
                 raise RuntimeError("perfsdk: run patches are already installed in this process")
             RunPatches._installed = self
+        STEPS.set_schedule(STEPS.schedule)  # the run's steps count from 0
         loader = torch.utils.data.DataLoader
         self._patch(loader, "__iter__", wrapt.FunctionWrapper(loader.__iter__, _iter_wrapper))
         self._patch(torch.Tensor, "backward",
@@ -116,7 +134,10 @@ class RunPatches:
         return self
 
     def remove(self) -> None:
-        """Restore every patched class attribute (in reverse order); idempotent."""
+        """End the open step and restore every patched class attribute (in reverse order);
+        idempotent."""
+        if RunPatches._installed is self:
+            STEPS.end()
         while self._undo:
             owner, name, original = self._undo.pop()
             setattr(owner, name, original)
@@ -151,7 +172,11 @@ class RunPatches:
 
 def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Any:
-    return _DataWait(iter(wrapped(*args, **kwargs)))
+    try:
+        length: int | None = len(instance)
+    except TypeError:  # an IterableDataset without __len__
+        length = None
+    return _Batches(iter(wrapped(*args, **kwargs)), length)
 
 
 def _region_wrapper(region: timed_region) -> Callable[..., Any]:

@@ -90,3 +90,42 @@ def test_context_is_recorded(quick_run):
     assert nvtx["loaded"] is (nvtx["error"] is None), nvtx
     assert "bare call" in stdout
     assert "targets (issues 2 and 3)" in stdout
+
+
+# -- benchmarks/instrument_module.py --------------------------------------------------------------
+IM_SCRIPT = REPO_ROOT / "benchmarks" / "instrument_module.py"
+IM_VARIANTS = {
+    "simplenet_infer": {"bare", "instrumented"},
+    "simplenet_train": {"bare", "instrumented_fwd", "instrumented"},
+    "encoder_infer": {"bare", "instrumented", "hooks_everywhere"},
+}
+
+
+@pytest.fixture(scope="module")
+def instrument_module_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    return run_quick(IM_SCRIPT, tmp_path_factory.mktemp("bench") / "instrument_module.json")
+
+
+def test_instrument_module_benchmark_shape(instrument_module_run):
+    result, stdout = instrument_module_run
+    assert result["settings"]["quick"] is True
+    workloads = result["workloads"]
+    assert {w: set(v["variants"]) for w, v in workloads.items()} == IM_VARIANTS
+    for w in workloads.values():
+        assert w["variants"]["bare"]["ratio_vs_bare"] == 1.0
+        for name, v in w["variants"].items():
+            assert v["iters"] == result["settings"]["iters"], name
+            assert len(v["times_ms"]) == v["iters"], name
+            for key in ("median_ms", "p95_ms", "min_ms", "ratio_vs_bare"):
+                assert positive(v[key]), (name, key, v[key])
+    assert "headline" in stdout
+    assert "hooks_everywhere" in stdout
+
+
+def test_instrument_module_benchmark_checks_the_fast_path(instrument_module_run):
+    """Deterministic, not a timing: instrument_module keeps the encoder's fused kernel (one per
+    layer), hooks on every module lose it."""
+    result, _ = instrument_module_run
+    fast = result["workloads"]["encoder_infer"]["fast_path_calls_per_forward"]
+    assert fast == {"bare": 4, "instrumented": 4, "hooks_everywhere": 0}
+    assert result["headline"]["encoder_fast_path_kept"] is True

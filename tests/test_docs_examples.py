@@ -36,7 +36,8 @@ MARKDOWN = sorted([README, *ROOT.glob("docs/*.md")])
 EXAMPLES = sorted(ROOT.glob("examples/*.py"))
 DOCTEST_MODULES = ("decorator", "timing", "config", "lifecycle", "testing", "sync", "bench",
                    "_progress", "optimize.amp", "optimize.backends", "optimize.channels_last",
-                   "optimize.checkpoint", "optimize.dataloader", "optimize.train_step")
+                   "optimize.checkpoint", "optimize.dataloader", "optimize.train_step", "auto",
+                   "advisor", "export.trace", "_patches", "optimize._marks")
 TIMEOUT = 180
 
 _FENCE_OPEN = re.compile(r"^```python(?P<flags>[ \t]+[\w -]+)?[ \t]*$")
@@ -358,12 +359,15 @@ def test_env_table_is_generated_from_config() -> None:
 def test_every_public_name_is_documented() -> None:
     import perfsdk
     import perfsdk.bench
+    import perfsdk.advisor
+    import perfsdk.auto
     import perfsdk.optimize
     import perfsdk.testing
 
     text = REFERENCE.read_text()
     wanted = [f"perfsdk.{n}" for n in perfsdk.__all__]
-    for module in (perfsdk.testing, perfsdk.bench, perfsdk.optimize):
+    for module in (perfsdk.testing, perfsdk.bench, perfsdk.optimize, perfsdk.auto,
+                   perfsdk.advisor):
         wanted += [f"{module.__name__}.{n}" for n in module.__all__]
     missing = [n for n in wanted if f"`{n}`" not in text]
     assert not missing, f"docs/reference.md does not list {missing}"

@@ -250,6 +250,8 @@ def _params(fn, drop=("self", "cls")):
 
 CONTRACT = {
     (FakeCuda, "is_initialized"): torch.cuda.is_initialized,
+    (FakeCuda, "profiler_start"): torch.cuda.profiler.start,
+    (FakeCuda, "profiler_stop"): torch.cuda.profiler.stop,
     (FakeCuda, "Event"): torch.cuda.Event.__new__,
     (FakeCuda, "current_stream"): torch.cuda.current_stream,
     (FakeCuda, "synchronize"): torch.cuda.synchronize,

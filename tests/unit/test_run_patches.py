@@ -68,16 +68,24 @@ def test_a_plain_training_loop_gets_its_regions(optimizer_cls, workers) -> None:
     with capture() as cap, RunPatches():
         got = train(optimizer_cls, workers)
     names = [r.name for r in cap.regions]
-    assert names.count("data_wait") == 4  # 3 batches and the wait for the end
+    assert names.count("step") == 3  # one per batch
+    assert names.count("data_wait") == 3
     assert names.count("Sequential.forward") == 3  # the model, not its layers
     assert names.count("backward") == 3
     assert names.count("optimizer") == 3
     assert not [n for n in names if n.startswith(("Linear", "ReLU"))]
+    steps = {r.span_id: r for r in cap.regions if r.name == "step"}
+    assert sorted(r.attributes["perfsdk.step"] for r in steps.values()) == [0, 1, 2]
+    assert all(r.attributes["perfsdk.samples"] == 4 for r in steps.values())
+    assert all(r.attributes["perfsdk.samples_per_s"] > 0 for r in steps.values())
+    for r in cap.regions:  # each batch's wait and work nest under its step
+        if r.name != "step":
+            assert r.parent_span_id in steps, r.name
     waits = [r for r in cap.regions if r.name == "data_wait"]
-    assert [r.attributes["perfsdk.batch"] for r in waits] == [0, 1, 2, 3]
+    assert [r.attributes["perfsdk.batch"] for r in waits] == [0, 1, 2]
     assert all(r.error is None for r in cap.regions)
     if not workers:  # each batch is 4 x 10 ms of __getitem__ on this thread
-        assert all(r.host_ms >= 39 for r in waits[:3])
+        assert all(r.host_ms >= 39 for r in waits)
     for a, b in zip(got.parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(a, b)  # the program computes what it did
     after = {k: owner.__dict__[name] for k, (owner, name) in CLASSES.items()}

@@ -1,0 +1,244 @@
+"""Step boundaries and the schedule that decides which steps are recorded.
+
+A step is a region named ``step`` (category ``step``) with attributes ``perfsdk.step`` (0-based
+index), ``perfsdk.samples`` and, set at its end, ``perfsdk.samples_per_s``. Regions entered
+inside a step nest under it (regions nest by context), so the step span parents the step's
+``data_wait``, module and user regions.
+
+A step outside the schedule's ``active`` phase records nothing at all: while it runs perfsdk's
+``state.enabled`` flag is off, so every region entry (``@profiled``, ``timed_region``, module
+hooks, ``data_wait``) takes the disabled path, the one flag test each already makes; the flag
+goes back to the configured value when the step ends. No new check is added to the hot path.
+Two consequences: functions *decorated* during a skipped step are returned unwrapped (as with
+``PERFSDK_ENABLED=0`` at decoration time), and a ``configure(enabled=...)`` made during a skipped
+step takes effect when that step ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+
+from perfsdk import config as _config
+from perfsdk.region import Region, RegionSpec
+
+__all__ = ["PHASES", "Schedule", "Step", "StepListener", "Steps", "schedule"]
+
+PHASES = ("wait", "warmup", "active", "done")
+"""What :meth:`Schedule.phase` returns; only ``active`` steps are recorded."""
+
+_state = _config.state
+_perf_ns = time.perf_counter_ns
+_is_compiling = torch.compiler.is_dynamo_compiling
+
+
+def _count(where: str, arg: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where}: {arg}={value!r}; accepted values are integers >= {minimum}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which steps are recorded, as ``torch.profiler.schedule`` decides which are profiled.
+
+    After ``skip_first`` steps, cycles of ``wait`` unrecorded steps, ``warmup`` unrecorded
+    steps and ``active`` recorded ones, ``repeat`` times (0: forever), then nothing.
+    Build one with :func:`schedule`.
+    """
+
+    wait: int
+    warmup: int
+    active: int
+    repeat: int = 0
+    skip_first: int = 0
+
+    def __post_init__(self) -> None:
+        for arg, minimum in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 0),
+                             ("skip_first", 0)):
+            _count("schedule", arg, getattr(self, arg), minimum)
+
+    def phase(self, step: int) -> str:
+        """``wait``, ``warmup``, ``active`` or ``done`` (after the last repeat) for a step."""
+        if step < self.skip_first:
+            return "wait"
+        step -= self.skip_first
+        cycle = self.wait + self.warmup + self.active
+        if self.repeat and step >= cycle * self.repeat:
+            return "done"
+        at = step % cycle
+        if at < self.wait:
+            return "wait"
+        return "warmup" if at < self.wait + self.warmup else "active"
+
+    def is_active(self, step: int) -> bool:
+        """Whether step ``step`` is recorded."""
+        return self.phase(step) == "active"
+
+
+def schedule(*, wait: int, warmup: int, active: int, repeat: int = 0,
+             skip_first: int = 0) -> Schedule:
+    """A :class:`Schedule` (the arguments of ``torch.profiler.schedule``).
+
+    Example:
+        >>> from perfsdk.auto import schedule
+        >>> s = schedule(wait=1, warmup=1, active=2, repeat=1)
+        >>> [s.phase(i) for i in range(5)]
+        ['wait', 'warmup', 'active', 'active', 'done']
+    """
+    return Schedule(wait, warmup, active, repeat, skip_first)
+
+
+class StepListener(Protocol):
+    """Told when each step starts and ends (capture ranges, torch.profiler windows)."""
+
+    def on_step_start(self, index: int) -> None: ...
+    def on_step_end(self, index: int) -> None: ...
+
+
+@functools.cache
+def _step_spec() -> RegionSpec:
+    return RegionSpec.create("step", category="step", where="step")
+
+
+class Step:
+    """One step: a ``with`` block, or open until the next :meth:`Steps.step` call.
+
+    Attributes:
+        index: The step's 0-based index.
+        samples: Samples processed in the step, if given.
+        phase: The schedule's phase for it (``active`` without a schedule).
+        region: The step's region while recorded, else None.
+    """
+
+    __slots__ = ("_steps", "index", "phase", "region", "samples")
+
+    def __init__(self, steps: Steps, index: int, samples: int | None, phase: str) -> None:
+        self._steps = steps
+        self.index = index
+        self.samples = samples
+        self.phase = phase
+        self.region: Region | None = None
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the step is in the schedule's active phase (its regions are recorded)."""
+        return self.phase == "active"
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End the step (idempotent)."""
+        self._steps._end(self, error)
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.end(exc)
+
+    def __repr__(self) -> str:
+        return f"<Step {self.index} {self.phase}>"
+
+
+class Steps:
+    """The step boundaries of one loop, with an optional :class:`Schedule`.
+
+    ``perfsdk.auto.step()`` uses a process-wide instance; make your own for a second loop.
+
+    Example:
+        >>> from perfsdk.auto import Steps, schedule
+        >>> steps = Steps(schedule(wait=1, warmup=0, active=1))
+        >>> for batch in range(4):
+        ...     with steps.step(samples=8) as s:
+        ...         pass
+        >>> s.index, s.phase
+        (3, 'active')
+    """
+
+    def __init__(self, schedule: Schedule | None = None) -> None:
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise ValueError(f"Steps: schedule={schedule!r}; accepted values are None (record "
+                             "every step) or perfsdk.auto.schedule(...)")
+        self.schedule = schedule
+        self.next_index = 0
+        self.current: Step | None = None
+        self.listeners: list[StepListener] = []
+        self._lock = threading.Lock()
+        self._paused = False
+
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """Use ``schedule`` from now on (None: record every step) and count steps from 0."""
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise ValueError(f"set_schedule: schedule={schedule!r}; accepted values are None "
+                             "(record every step) or perfsdk.auto.schedule(...)")
+        self.end()
+        self.schedule = schedule
+        self.next_index = 0
+
+    def step(self, samples: int | None = None) -> Step:
+        """End the open step, if any, and start the next; use it as a call or a ``with``."""
+        if samples is not None:
+            _count("step", "samples", samples, 1)
+        self.end()
+        with self._lock:
+            index = self.next_index
+            self.next_index += 1
+        sched = self.schedule
+        phase = "active" if sched is None else sched.phase(index)
+        step = Step(self, index, samples, phase)
+        self.current = step
+        for listener in list(self.listeners):
+            _notify(listener.on_step_start, index)
+        if phase != "active":
+            self._pause(True)
+        elif _state.enabled and not _is_compiling():
+            attrs: dict[str, Any] = {"perfsdk.step": index}
+            if samples is not None:
+                attrs["perfsdk.samples"] = samples
+            region = Region(_step_spec(), attrs)
+            region.enter()
+            step.region = region
+        return step
+
+    def end(self) -> None:
+        """End the open step (the last one of a loop that calls :meth:`step` plainly)."""
+        current = self.current
+        if current is not None:
+            self._end(current, None)
+
+    def _end(self, step: Step, error: BaseException | None) -> None:
+        if self.current is not step:
+            return  # already ended
+        self.current = None
+        region, step.region = step.region, None
+        if region is not None:
+            if step.samples is not None and region.t0:
+                seconds = (_perf_ns() - region.t0) / 1e9
+                if seconds > 0:
+                    region.set_attribute("perfsdk.samples_per_s", step.samples / seconds)
+            region.exit(error)
+        if self._paused:
+            self._pause(False)
+        for listener in list(self.listeners):
+            _notify(listener.on_step_end, step.index)
+
+    def _pause(self, paused: bool) -> None:
+        """Skipped steps record nothing: the disabled path every region entry already tests."""
+        self._paused = paused
+        _state.enabled = (not paused) and _config.get_config().enabled
+
+
+def _notify(fn: Any, index: int) -> None:
+    try:
+        fn(index)
+    except Exception as exc:  # a listener must never break the training loop
+        from perfsdk.errors import warn_once
+
+        warn_once(f"step-listener:{type(exc).__name__}",
+                  f"perfsdk: a step listener failed ({exc!r}); the loop goes on")

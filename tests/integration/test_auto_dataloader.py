@@ -1,0 +1,121 @@
+"""instrument_dataloader with a real DataLoader and worker processes: one ``data_wait`` region
+per batch, whose host time is the loop's real wait for a slow dataset."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import perfsdk
+import perfsdk.auto as auto
+from perfsdk.testing import capture
+
+SLEEP_S = 0.05
+
+
+class SlowDataset(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(SLEEP_S)
+        return torch.full((2,), float(index))
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.full((2,), float(i)) for i in range(4))
+
+
+@pytest.fixture(autouse=True)
+def fresh_steps() -> Iterator[None]:
+    auto.set_schedule(None)
+    yield
+    auto.end_step()
+
+
+def test_one_data_wait_per_batch_with_two_workers():
+    loader = DataLoader(SlowDataset(), batch_size=2, num_workers=2)
+    wrapped = auto.instrument_dataloader(loader)
+    assert len(wrapped) == 4
+    assert wrapped.dataset is loader.dataset
+    assert wrapped.num_workers == 2
+    assert wrapped.batch_size == 2
+    assert wrapped.loader is loader
+    with capture() as cap:
+        t0 = time.perf_counter()
+        batches = [b for b in wrapped]
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    assert [b[0, 0].item() for b in batches] == [0.0, 2.0, 4.0, 6.0]
+    waits = cap.named("data_wait")
+    assert len(waits) == len(batches) == 4
+    assert [w.attributes["perfsdk.batch"] for w in waits] == [0, 1, 2, 3]
+    assert all(w.attributes["perfsdk.category"] == "data" for w in waits)
+    # A worker needs two sleeps for the first batch: the loop really waited that long, and the
+    # waits together are the loop's whole time (it did nothing else).
+    assert waits[0].host_ms >= 2 * SLEEP_S * 1e3 * 0.9
+    assert sum(w.host_ms for w in waits) <= wall_ms
+    assert sum(w.host_ms for w in waits) >= 0.8 * wall_ms
+
+
+def test_each_epoch_counts_batches_from_zero():
+    wrapped = auto.instrument_dataloader(DataLoader(SlowDataset(), batch_size=4, num_workers=2,
+                                                    persistent_workers=True))
+    with capture() as cap:
+        for _ in range(2):
+            for _batch in wrapped:
+                pass
+    assert [w.attributes["perfsdk.batch"] for w in cap.named("data_wait")] == [0, 1, 0, 1]
+
+
+def test_waits_inside_plain_call_steps_nest_under_them():
+    wrapped = auto.instrument_dataloader(DataLoader(SlowDataset(), batch_size=4, num_workers=2))
+    with capture() as cap:
+        it = iter(wrapped)
+        for _ in range(2):
+            with auto.step(samples=4):
+                next(it)
+    steps = cap.named("step")
+    waits = cap.named("data_wait")
+    assert [w.parent_span_id for w in waits] == [s.span_id for s in steps]
+
+
+def test_iterable_without_len_and_disabled():
+    wrapped = auto.instrument_dataloader(DataLoader(Stream(), batch_size=2))
+    with pytest.raises(TypeError):
+        len(wrapped)
+    with capture() as cap:
+        assert len(list(wrapped)) == 2
+        perfsdk.configure(enabled=False)
+        assert len(list(wrapped)) == 2
+    # without len() the wait that ended the epoch is recorded too (it is a wait)
+    assert [w.attributes["perfsdk.batch"] for w in cap.named("data_wait")] == [0, 1, 2]
+
+
+def test_plain_iterables_and_bad_input():
+    wrapped = auto.instrument_dataloader([1, 2, 3])
+    assert auto.instrument_dataloader(wrapped) is wrapped
+    with capture() as cap:
+        assert list(wrapped) == [1, 2, 3]
+    assert len(cap.named("data_wait")) == 3
+    with pytest.raises(ValueError, match="loader="):
+        auto.instrument_dataloader(3)  # type: ignore[arg-type]
+
+
+def test_an_error_in_the_dataset_is_recorded_and_propagates():
+    class Broken(Dataset[int]):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int) -> int:
+            raise KeyError(index)
+
+    wrapped = auto.instrument_dataloader(DataLoader(Broken(), batch_size=1))
+    with capture() as cap, pytest.raises(KeyError):
+        next(iter(wrapped))
+    (wait,) = cap.named("data_wait")
+    assert isinstance(wait.error, KeyError)

@@ -1,0 +1,327 @@
+"""instrument_module: per-module forward and backward regions on real nn.Modules, the
+Transformer fast path kept (seen by torch.profiler), one graph under torch.compile."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import perfsdk
+from perfsdk.auto import instrument_module
+from perfsdk.context import current_span
+from perfsdk.optimize._models import SimpleNet, encoder
+from perfsdk.region import Region
+from perfsdk.testing import capture
+
+CHILDREN = ["conv1", "conv2", "conv3", "pool", "fc1", "fc2", "relu"]
+
+
+def _net() -> tuple[SimpleNet, torch.Tensor]:
+    torch.manual_seed(0)
+    return SimpleNet(image_size=8), torch.randn(2, 3, 8, 8)
+
+
+def _by_id(regions):
+    return {r.span_id: r for r in regions}
+
+
+def _inside(inner, outer) -> bool:
+    return outer.start_ns <= inner.start_ns and inner.end_ns <= outer.end_ns
+
+
+def test_forward_and_backward_regions_are_named_by_path_and_nest():
+    model, x = _net()
+    with capture() as cap, instrument_module(model) as handle:
+        model(x).sum().backward()
+    assert handle.regions == ["SimpleNet", *(f"SimpleNet.{c}" for c in CHILDREN)]
+    names = [r.name for r in cap.regions]
+    for child in CHILDREN:
+        calls = 4 if child == "relu" else 2 if child == "pool" else 1
+        assert names.count(f"SimpleNet.{child}") == calls, child
+        assert names.count(f"SimpleNet.{child}.backward") == calls, child
+    by_id = _by_id(cap.regions)
+    root = cap.named("SimpleNet")[0]
+    root_bwd = cap.named("SimpleNet.backward")[0]
+    assert root.attributes["perfsdk.module"] == ""
+    assert root.attributes["perfsdk.category"] == "module"
+    for child in CHILDREN:
+        for r in cap.named(f"SimpleNet.{child}"):
+            assert by_id[r.parent_span_id] is root
+            assert r.attributes["perfsdk.module"] == child
+            assert _inside(r, root)
+        for r in cap.named(f"SimpleNet.{child}.backward"):
+            assert by_id[r.parent_span_id] is root_bwd
+            assert r.attributes["perfsdk.category"] == "module.backward"
+            assert _inside(r, root_bwd)
+    # backward runs in reverse: the last layer's backward ends before the first layer's starts
+    fc2, conv1 = cap.named("SimpleNet.fc2.backward")[0], cap.named("SimpleNet.conv1.backward")[0]
+    assert fc2.end_ns <= conv1.start_ns
+    assert root.end_ns <= root_bwd.start_ns
+
+
+def test_first_layer_backward_covers_its_weight_gradient():
+    """conv1's input does not require grad; its backward region still holds its
+    convolution_backward (a full backward hook would fire before that runs), as torch.profiler
+    sees both."""
+    model, x = _net()
+    with capture() as cap, instrument_module(model), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    assert cap.named("SimpleNet.conv1.backward")[0].host_ms > 0
+    events = prof.events()
+    convs = sorted((e for e in events if e.name == "aten::convolution_backward"),
+                   key=lambda e: e.time_range.start)
+    assert len(convs) == 3
+    region = next(e for e in events if e.name == "SimpleNet.conv1.backward")
+    assert region.time_range.start <= convs[-1].time_range.start
+    assert convs[-1].time_range.end <= region.time_range.end
+
+
+def test_gradients_unchanged_and_inplace_relu_after_a_hooked_layer_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 2, 3),
+                          nn.ReLU(inplace=True))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    with capture() as cap, instrument_module(model):
+        model(x).sum().backward()
+    got = [p.grad for p in model.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    names = [r.name for r in cap.regions]
+    assert names.count("Sequential.1.backward") == 1  # the in-place ReLU has its own backward
+    assert names.count("Sequential.0.backward") == 1
+
+
+def test_regions_stay_balanced_when_forward_raises():
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyError("boom")
+
+    model = nn.Sequential(nn.Linear(2, 2), Boom())
+    with capture() as cap, instrument_module(model):
+        with pytest.raises(KeyError, match="boom"):
+            model(torch.ones(1, 2))
+        assert not isinstance(current_span(), Region)  # nothing left open
+        with perfsdk.timed_region("after"):
+            pass
+    errors = {r.name: r.error for r in cap.regions}
+    assert isinstance(errors["Sequential.1"], KeyError)
+    assert isinstance(errors["Sequential"], KeyError)
+    assert errors["Sequential.0"] is None
+    assert cap.named("after")[0].parent_span_id == 0
+
+
+def test_depth_include_exclude():
+    model = _net()[0]
+    with instrument_module(model, depth=0) as h:
+        assert h.regions == ["SimpleNet"]
+    with instrument_module(model, include="conv*") as h:
+        assert h.regions == ["SimpleNet.conv1", "SimpleNet.conv2", "SimpleNet.conv3"]
+    with instrument_module(model, include=nn.Linear, exclude="*fc2") as h:
+        assert h.regions == ["SimpleNet.fc1"]
+    with instrument_module(model, exclude=[nn.ReLU, nn.MaxPool2d, "SimpleNet"]) as h:
+        assert h.regions == [f"SimpleNet.{c}" for c in ("conv1", "conv2", "conv3", "fc1", "fc2")]
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))
+    with instrument_module(nested, depth=1) as h:
+        assert h.regions == ["Sequential", "Sequential.0"]
+    with instrument_module(nested) as h:
+        assert h.regions == ["Sequential", "Sequential.0", "Sequential.0.0"]
+
+
+@pytest.mark.parametrize(("kwargs", "arg"), [
+    ({"depth": -1}, "depth"), ({"depth": True}, "depth"), ({"include": 3}, "include"),
+    ({"exclude": [int]}, "exclude"), ({"backward": "yes"}, "backward"),
+])
+def test_bad_arguments_are_named(kwargs, arg):
+    with pytest.raises(ValueError, match=f"{arg}="):
+        instrument_module(nn.Linear(2, 2), **kwargs)
+    with pytest.raises(ValueError, match="model="):
+        instrument_module("model")  # type: ignore[arg-type]
+
+
+def test_remove_takes_out_every_hook_and_wrapper():
+    model, x = _net()
+    enc = encoder(16, 1, 2)
+    handles = [instrument_module(model), instrument_module(enc)]
+    for h in handles:
+        h.remove()
+        h.remove()  # idempotent
+    for m in [*model.modules(), *enc.modules()]:
+        assert not m._forward_hooks
+        assert not m._forward_pre_hooks
+        assert "forward" not in m.__dict__
+    with capture() as cap:
+        model(x).sum().backward()
+        enc(torch.randn(1, 3, 16))
+    assert cap.regions == []
+
+
+def test_disabled_records_nothing_and_a_later_enable_does():
+    model, x = _net()
+    with capture() as cap, instrument_module(model):
+        perfsdk.configure(enabled=False)
+        model(x).sum().backward()
+        perfsdk.configure(enabled=True)
+        model(x)
+    assert sorted({r.name for r in cap.regions}) == sorted(
+        ["SimpleNet", *(f"SimpleNet.{c}" for c in CHILDREN)])
+
+
+def test_threads_nest_under_their_own_root():
+    model, _ = _net()
+    errors = []
+
+    def run() -> None:
+        try:
+            for _ in range(5):
+                model(torch.randn(1, 3, 8, 8)).sum().backward()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with capture() as cap, instrument_module(model):
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    by_id = _by_id(cap.regions)
+    assert len(cap.named("SimpleNet")) == len(cap.named("SimpleNet.backward")) == 10
+    for r in cap.named("SimpleNet.conv1"):
+        parent = by_id[r.parent_span_id]
+        assert parent.name == "SimpleNet"
+        assert parent.thread_id == r.thread_id
+
+
+def test_backward_that_raises_leaves_no_region_open():
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            raise RuntimeError("backward failed")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return Fails.apply(y) if self.fail else y
+
+    model = Net()
+    with capture() as cap, instrument_module(model):
+        with pytest.raises(RuntimeError, match="backward failed"):
+            model(torch.ones(1, 2)).sum().backward()
+        model.fail = False
+        model(torch.ones(1, 2)).sum().backward()  # the next call closes what the failure left
+        assert not isinstance(current_span(), Region)
+    roots = cap.named("Net")
+    assert len(roots) == 2
+    assert roots[1].parent_span_id == 0
+    assert len(cap.named("Net.backward")) == 2
+
+
+# -- Transformer fast path ---------------------------------------------------------------------
+FAST_OP = "aten::_transformer_encoder_layer_fwd"
+
+
+def _profiled_ops(model: nn.Module, x: torch.Tensor) -> Counter[str]:
+    """How often each operator (and record_function range) ran in one inference call."""
+    with torch.no_grad(), torch.profiler.profile(activities=[
+            torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x)
+    return Counter(e.name for e in prof.events())
+
+
+def test_transformer_encoder_keeps_its_fast_path():
+    torch.manual_seed(0)
+    enc = encoder(32, 2, 4).eval()
+    x = torch.randn(2, 16, 32)
+    assert _profiled_ops(enc, x)[FAST_OP] == 2  # one per layer
+    with capture() as cap, instrument_module(enc) as h:
+        ops = _profiled_ops(enc, x)
+    assert ops[FAST_OP] == 2
+    assert h.wrapped == ["TransformerEncoder", "TransformerEncoder.layers.0",
+                         "TransformerEncoder.layers.1"]
+    assert "TransformerEncoder.layers.0.self_attn" in h.skipped
+    assert h.hooked == []
+    names = [r.name for r in cap.regions]
+    assert names == ["TransformerEncoder.layers.0", "TransformerEncoder.layers.1",
+                     "TransformerEncoder"]
+    assert "TransformerEncoder.layers.0" in ops  # our regions are in the profile too
+    # what the test guards against: one ordinary hook inside a layer turns the fast path off
+    handle = enc.layers[0].linear1.register_forward_hook(lambda *a: None)
+    try:
+        assert _profiled_ops(enc, x)[FAST_OP] == 1
+    finally:
+        handle.remove()
+
+
+def test_encoder_inside_a_model_and_its_backward():
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 32)
+            self.enc = encoder(32, 2, 4)
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.enc(self.embed(x)))
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 5, 8)
+    with capture() as cap, instrument_module(model) as h:
+        model(x).sum().backward()
+        model.eval()
+        assert _profiled_ops(model, x)[FAST_OP] == 2
+    assert "Model.enc.layers.0" in h.wrapped
+    assert "Model.embed" in h.hooked
+    by_id = _by_id(cap.regions)
+    layer = cap.named("Model.enc.layers.1")[0]
+    assert by_id[layer.parent_span_id].name == "Model.enc"
+    bwd = cap.named("Model.enc.layers.0.backward")
+    assert len(bwd) == 1
+    assert by_id[bwd[0].parent_span_id].name == "Model.enc.backward"
+
+
+# -- torch.compile -----------------------------------------------------------------------------
+def test_instrumented_model_compiles_to_one_graph():
+    model, x = _net()
+    with instrument_module(model):
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_count == 1
+    assert explained.graph_break_count == 0
+
+
+def test_compiled_instrumented_model_runs_and_records_nothing_inside():
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return gm.forward
+
+    model, x = _net()
+    expected = model(x)
+    with capture() as cap, instrument_module(model):
+        compiled = torch.compile(model, backend=backend)
+        out = compiled(x)
+        out2 = compiled(x)
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert torch.allclose(out, expected)
+    assert torch.allclose(out2, expected)
+    assert cap.regions == []
