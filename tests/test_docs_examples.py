@@ -358,9 +358,9 @@ def test_env_table_is_generated_from_config() -> None:
 
 def test_every_public_name_is_documented() -> None:
     import perfsdk
-    import perfsdk.bench
     import perfsdk.advisor
     import perfsdk.auto
+    import perfsdk.bench
     import perfsdk.optimize
     import perfsdk.testing
 
