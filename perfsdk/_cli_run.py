@@ -28,7 +28,7 @@ from perfsdk.advisor import Advice, advise
 from perfsdk.config import _OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
 
-__all__ = ["check_output_dir", "report", "run_script"]
+__all__ = ["check_output_dir", "default_exporters", "report", "run_script"]
 
 
 def check_output_dir(directory: Path) -> str | None:
@@ -63,7 +63,8 @@ def _print_traceback(exc: BaseException, script: Path, err: TextIO) -> None:
                                                   tb or exc.__traceback__)))
 
 
-def _exporters() -> tuple[str, ...]:
+def default_exporters() -> tuple[str, ...]:
+    """``file`` and ``trace``, plus ``otlp`` when an OTLP endpoint variable is set."""
     names: tuple[str, ...] = ("file", "trace")
     if any(os.environ.get(var) for var in _OTLP_ENDPOINT_VARS):
         names += ("otlp",)
@@ -90,7 +91,7 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     if problem is not None:
         err.write(f"perfsdk run: --output-dir {directory}: cannot write there ({problem})\n")
         return 2
-    perfsdk.configure(exporter=_exporters(), output_dir=directory)
+    perfsdk.configure(exporter=default_exporters(), output_dir=directory)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))

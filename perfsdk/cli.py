@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from perfsdk._version import __version__
+from perfsdk.config import get_config
 
 __all__ = ["main"]
 
@@ -27,13 +29,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"perfsdk {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="train a small model with instrumented steps and print the summary")
-    demo.add_argument("--steps", type=_positive, default=200, help="training steps (200)")
-    demo.add_argument("--batch-size", type=_positive, default=64, help="batch size (64)")
+        "demo", help="the course lab's training loop before and after its fixes, measured",
+        description="Trains the lab's SimpleNet on synthetic images twice: first as the lab's "
+                    "unoptimized script does (small batch, num_workers=0, a sync per step), "
+                    "showing perfsdk's summary and the advisor's findings, then with the fixes; "
+                    "prints the before/after table and writes the Perfetto trace, the spans "
+                    "and both runs (for `perfsdk report`) to the output directory. With "
+                    "OTEL_EXPORTER_OTLP_ENDPOINT set, spans also go to that collector.")
+    demo.add_argument("--steps", type=_positive, default=60,
+                      help="steps of the lab's loop (60; at least 2)")
+    demo.add_argument("--batch-size", type=_positive, default=8,
+                      help="the lab's batch size (8); the fixed run uses 4 times that")
+    demo.add_argument("--image-size", type=_positive, default=32,
+                      help="image side, a multiple of 4 (32; the lab uses 224 on a GPU)")
     demo.add_argument("--output-dir", default=None,
-                      help="where spans-<pid>.jsonl goes (PERFSDK_OUTPUT_DIR, ./perfsdk-output)")
-    demo.add_argument("--exporter", default="file",
-                      help="comma list of otlp, console, file, none (file)")
+                      help="where the trace, spans and runs go (PERFSDK_OUTPUT_DIR, "
+                           "./perfsdk-output)")
+    demo.add_argument("--exporter", default=None,
+                      help="comma list of otlp, console, file, none (file, plus otlp when "
+                           "OTEL_EXPORTER_OTLP_ENDPOINT is set); the trace file is always "
+                           "written")
     run = commands.add_parser(
         "run", help="run an unmodified training script with perfsdk's regions patched in, then "
                     "print the summary and advice",
@@ -65,16 +80,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return report(args.directory, out=sys.stdout, err=sys.stderr)
     if args.command == "demo":
+        from perfsdk._cli_run import check_output_dir, default_exporters
         from perfsdk.config import _parse_exporters
         from perfsdk.demo import run_demo
 
         try:
-            exporters = _parse_exporters(args.exporter)
+            exporters = _parse_exporters(args.exporter or ",".join(default_exporters()))
+            run = dict(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
+            if args.steps < 2 or args.image_size % 4:
+                raise ValueError("--steps must be >= 2 and --image-size a multiple of 4; got "
+                                 f"--steps {args.steps} --image-size {args.image_size}")
         except ValueError as exc:
-            print(f"perfsdk demo: --exporter: {exc}", file=sys.stderr)
+            flag = "--exporter" if "exporter" in str(exc) else "arguments"
+            print(f"perfsdk demo: {flag}: {exc}", file=sys.stderr)
             return 2
-        run_demo(steps=args.steps, batch_size=args.batch_size, output_dir=args.output_dir,
-                 exporters=exporters)
+        directory = Path(args.output_dir or get_config().output_dir)
+        problem = check_output_dir(directory)
+        if problem is not None:
+            print(f"perfsdk demo: --output-dir {directory}: cannot write there ({problem})",
+                  file=sys.stderr)
+            return 2
+        run_demo(**run, output_dir=directory, exporters=exporters)
     return 0
 
 
