@@ -169,7 +169,48 @@ def check_train_small(proc: subprocess.CompletedProcess[str], out: Path) -> None
     assert spans[0]["resource"]["attributes"]["service.name"]
 
 
-EXAMPLE_CHECKS = {"train_small.py": check_train_small}
+def _calls(proc: subprocess.CompletedProcess[str]) -> dict[str, int]:
+    """Region name -> calls, from the summary table the script printed."""
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("region "))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        rows[line.split()[0]] = int(line.split()[1])
+    return rows
+
+
+def check_lab_unoptimized(proc: subprocess.CompletedProcess[str], out: Path) -> None:
+    """No perfsdk in it: it trains and writes nothing of perfsdk's."""
+    assert "training on cpu, batch size 8, 24 batches" in proc.stdout
+    assert re.search(r"samples/s$", proc.stdout.strip())
+    assert not out.exists()
+
+
+def check_lab_decorated(proc: subprocess.CompletedProcess[str], out: Path) -> None:
+    """Steps, data wait and per-layer regions; the advisor names the slow data first and the
+    line of the per-step sync; the trace file it names is there."""
+    calls = _calls(proc)
+    assert calls["step"] == calls["data_wait"] == calls["SimpleNet.conv1"] == 24
+    assert calls["SimpleNet.conv1.backward"] == 24
+    advice = proc.stdout[proc.stdout.index("perfsdk advice"):]
+    assert advice.index("Data loading") < advice.index("Host-device syncs")
+    assert "lab_decorated.py:60 item (24x in all)" in advice
+    assert json.loads(next(out.glob("trace-*.json")).read_text())["traceEvents"]
+
+
+def check_lab_optimized(proc: subprocess.CompletedProcess[str], out: Path) -> None:
+    """Six steps of 32 with TrainStep's regions inside, and no host-device sync in the loop."""
+    calls = _calls(proc)
+    assert calls["step"] == calls["train.forward"] == calls["train.optimizer"] == 6
+    assert "host-device syncs" not in proc.stdout
+
+
+EXAMPLE_CHECKS = {"train_small.py": check_train_small,
+                  "lab_unoptimized.py": check_lab_unoptimized,
+                  "lab_decorated.py": check_lab_decorated,
+                  "lab_optimized.py": check_lab_optimized}
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
