@@ -20,6 +20,9 @@ import pytest
 
 import perfsdk.config
 import perfsdk.errors
+import perfsdk.sync
+from perfsdk.auto import STEPS
+from perfsdk.lifecycle import SUMMARY
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import Capture, FakeCuda, capture, use_fake_cuda
 
@@ -74,12 +77,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(autouse=True)
 def fresh_config() -> Iterator[None]:
-    """After each test: settings from the environment again, warning counts cleared, and every
-    finished region handed to the sinks (so nothing leaks into the next test's capture)."""
+    """After each test: an open step ended, settings from the environment again, warning counts,
+    the summary and the sync sites cleared, and every finished region handed to the sinks (so
+    nothing leaks into the next test's capture or summary)."""
     yield
+    STEPS.set_schedule(None)  # ends a step a test left open; every step recorded again
     PIPELINE.drain(wait=True)
     perfsdk.config.reset_from_env()
     perfsdk.errors.reset_counts()
+    SUMMARY.reset()  # the summary and the sync sites are process-wide: start each test empty
+    perfsdk.sync.reset()
 
 
 @pytest.fixture

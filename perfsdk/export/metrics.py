@@ -3,7 +3,8 @@
 Recorded on the pipeline thread from resolved records, never on the training thread (meter
 ``perfsdk``): ``perfsdk.region.duration`` and ``perfsdk.region.device_duration`` (histograms, ms;
 attributes ``perfsdk.region``, ``perfsdk.region.error``), ``perfsdk.region.errors`` (counter;
-``perfsdk.region``, ``error.type``), ``process.memory.usage`` (RSS, By; an up-down counter as the
+``perfsdk.region``, ``error.type``), ``perfsdk.step.throughput`` (histogram, samples/s of each
+step given ``samples``; ``perfsdk.region``), ``process.memory.usage`` (RSS, By; an up-down counter as the
 semantic conventions define it; where ``/proc`` is missing, the peak RSS from ``getrusage``) and,
 with a GPU readings callable, the hardware conventions' ``hw.gpu.utilization``,
 ``hw.gpu.memory.usage``, ``hw.power``, ``hw.energy``, ``hw.temperature`` (``hw.id``, ``hw.type``).
@@ -44,7 +45,7 @@ from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
 from perfsdk.export.exporters import _QUIET, _Quiet, bounded
 from perfsdk.export.spans import build_resource
-from perfsdk.record import DEVICE_MS, ERROR, SPEC, SPECS, T0, T1, Record
+from perfsdk.record import ATTRS, DEVICE_MS, ERROR, SPEC, SPECS, T0, T1, Record
 
 __all__ = ["GpuReadings", "GuardedMetricExporter", "MetricsSink", "rss_bytes"]
 
@@ -175,6 +176,9 @@ class _Instruments:
             explicit_bucket_boundaries_advisory=BUCKETS_MS)
         self.errors = meter.create_counter(
             "perfsdk.region.errors", unit="{error}", description="Regions left by an exception.")
+        self.throughput = meter.create_histogram(
+            "perfsdk.step.throughput", unit="{sample}/s",
+            description="Samples per second of a step (perfsdk.step(samples=...)).")
         meter.create_observable_up_down_counter(
             "process.memory.usage", [lambda _: [Observation(v) for v in (rss_bytes(),) if v]],
             unit="By", description="The amount of physical memory in use.")
@@ -199,6 +203,10 @@ class _Instruments:
             device_ms = rec[DEVICE_MS]
             if device_ms is not None:
                 device(device_ms, attrs)
+            extra = rec[ATTRS]
+            if extra and "perfsdk.samples_per_s" in extra:  # a step with samples
+                self.throughput.record(extra["perfsdk.samples_per_s"],
+                                       {"perfsdk.region": attrs["perfsdk.region"]})
             if error is not None:
                 kind = type(error)
                 counted = (attrs["perfsdk.region"], kind.__qualname__ if kind.__module__ ==

@@ -31,7 +31,7 @@ from perfsdk.config import Config
 from perfsdk.export import metrics as metrics_module
 from perfsdk.export.metrics import BUCKETS_MS, MetricsSink, rss_bytes
 from perfsdk.pipeline import PIPELINE
-from perfsdk.record import DEVICE_MS, ERROR, host_ms, spec_of
+from perfsdk.record import ATTRS, DEVICE_MS, ERROR, host_ms, spec_of
 from tests.integration._scripts.harness import clean_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "integration" / "_scripts"
@@ -126,6 +126,28 @@ def test_duration_histogram_per_region_name(sink: MetricsSink, reader: InMemoryM
         assert tuple(point.explicit_bounds) == BUCKETS_MS
         assert sum(point.bucket_counts) == n
     assert hist == {}
+
+
+def test_step_throughput_histogram(sink: MetricsSink, reader: InMemoryMetricReader):
+    """Steps given samples= feed perfsdk.step.throughput with their samples/s; other regions
+    and steps without samples do not."""
+    from perfsdk.auto import Steps
+
+    def work() -> None:
+        steps = Steps()
+        for samples in (32, 64, None):
+            with steps.step(samples=samples), perfsdk.timed_region("inner"):
+                sum(range(2000))
+
+    recs = records_of(work)
+    sink.consume(recs)
+    (point,) = points(reader)["perfsdk.step.throughput"]
+    assert dict(point.attributes) == {"perfsdk.region": "step"}
+    rates = [r[ATTRS]["perfsdk.samples_per_s"] for r in recs
+             if r[ATTRS] and "perfsdk.samples_per_s" in r[ATTRS]]
+    assert point.count == len(rates) == 2
+    assert point.sum == pytest.approx(sum(rates))
+    assert all(rate > 0 for rate in rates)
 
 
 def test_errors_counted_per_region_and_type(sink: MetricsSink, reader: InMemoryMetricReader):
