@@ -4,8 +4,8 @@ Recorded on the pipeline thread from resolved records, never on the training thr
 ``perfsdk``): ``perfsdk.region.duration`` and ``perfsdk.region.device_duration`` (histograms, ms;
 attributes ``perfsdk.region``, ``perfsdk.region.error``), ``perfsdk.region.errors`` (counter;
 ``perfsdk.region``, ``error.type``), ``perfsdk.step.throughput`` (histogram, samples/s of each
-step given ``samples``; ``perfsdk.region``), ``process.memory.usage`` (RSS, By; an up-down counter as the
-semantic conventions define it; where ``/proc`` is missing, the peak RSS from ``getrusage``) and,
+step given ``samples``; ``perfsdk.region``), ``process.memory.usage`` (RSS, By; an up-down
+counter as the semantic conventions define it; where ``/proc`` is missing, the peak RSS from ``getrusage``) and,
 with a GPU readings callable, the hardware conventions' ``hw.gpu.utilization``,
 ``hw.gpu.memory.usage``, ``hw.power``, ``hw.energy``, ``hw.temperature`` (``hw.id``, ``hw.type``).
 
