@@ -5,8 +5,9 @@ Recorded on the pipeline thread from resolved records, never on the training thr
 attributes ``perfsdk.region``, ``perfsdk.region.error``), ``perfsdk.region.errors`` (counter;
 ``perfsdk.region``, ``error.type``), ``perfsdk.step.throughput`` (histogram, samples/s of each
 step given ``samples``; ``perfsdk.region``), ``process.memory.usage`` (RSS, By; an up-down
-counter as the semantic conventions define it; where ``/proc`` is missing, the peak RSS from ``getrusage``) and,
-with a GPU readings callable, the hardware conventions' ``hw.gpu.utilization``,
+counter as the semantic conventions define it; where ``/proc`` is missing, the peak RSS from
+``getrusage``) and, with a GPU readings callable, the hardware conventions'
+``hw.gpu.utilization``,
 ``hw.gpu.memory.usage``, ``hw.power``, ``hw.energy``, ``hw.temperature`` (``hw.id``, ``hw.type``).
 
 Modes, like spans: ``owned`` (perfsdk's SDK MeterProvider with a PeriodicExportingMetricReader
