@@ -32,13 +32,12 @@ import argparse
 import copy
 import datetime
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overhead import machine_info, versions
+from overhead import clean_environment, machine_info, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "instrument_module.json"
@@ -68,12 +67,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--threads must be >= 1")
     return args
 
-
-def clean_environment() -> None:
-    """Measure perfsdk's defaults, whatever the shell exported."""
-    for key in [k for k in os.environ if k.startswith(("PERFSDK_", "OTEL_"))]:
-        del os.environ[key]
-    os.environ["PERFSDK_EXPORTER"] = "none"
 
 
 def measure(args: argparse.Namespace) -> int:

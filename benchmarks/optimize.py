@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overhead import machine_info, versions
+from overhead import clean_environment, machine_info, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "optimize.json"
@@ -321,9 +321,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    for key in [k for k in os.environ if k.startswith(("PERFSDK_", "OTEL_"))]:
-        del os.environ[key]
-    os.environ["PERFSDK_EXPORTER"] = "none"
+    clean_environment()
     cache = None
     if not args.warm_cache:  # before torch is imported: inductor reads it then
         cache = tempfile.TemporaryDirectory(prefix="perfsdk-bench-inductor-")

@@ -619,6 +619,14 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
         print(f"  - {note}")
 
 
+def clean_environment() -> None:
+    """Measure perfsdk's defaults, whatever the shell exported (PERFSDK_SYNC_GUARD included):
+    no PERFSDK_* or OTEL_* variable, and no exporter (for the benchmarks run in-process)."""
+    for key in [k for k in os.environ if k.startswith(("PERFSDK_", "OTEL_"))]:
+        del os.environ[key]
+    os.environ["PERFSDK_EXPORTER"] = "none"
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor()
     try:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overhead import BUSY_RATIO, machine_info, percentile, stats, versions
+from overhead import BUSY_RATIO, clean_environment, machine_info, percentile, stats, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "sync_guard.json"
@@ -104,12 +104,6 @@ class Case:
     cpu: list[float] = dataclasses.field(default_factory=list)
     syncs: list[int] = dataclasses.field(default_factory=list)  # per timed loop
 
-
-def clean_environment() -> None:
-    """Measure perfsdk's defaults, whatever the shell exported (PERFSDK_SYNC_GUARD included)."""
-    for key in [k for k in os.environ if k.startswith(("PERFSDK_", "OTEL_"))]:
-        del os.environ[key]
-    os.environ["PERFSDK_EXPORTER"] = "none"
 
 
 # ------------------------------------------------------------------------------ measurement
