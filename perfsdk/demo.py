@@ -50,6 +50,7 @@ class Phase:
     wall_s: float
     step_ms_p50: float
     data_wait_share: float
+    """Data wait over data wait plus step time (the share the advisor reports)."""
     syncs_per_step: float
     summary: Summary
     advice: Advice
@@ -146,8 +147,10 @@ def _phase(name: str, loop: Loop, steps: int, progress: bool | None, directory: 
     waits = sum(r.host_ms for r in recorder.regions if r.name == "data_wait")
     syncs = sum(int(r.attributes.get("perfsdk.syncs", 0)) for r in recorder.regions
                 if r.name == "step")
+    loop_ms = sum(step_ms) + waits  # the waits are outside the steps here: the advisor's basis
     phase = Phase(name, len(step_ms), samples, wall_s, percentile(step_ms, 50) if step_ms else 0,
-                  waits / (wall_s * 1e3), syncs / max(len(step_ms), 1), summary, advice)
+                  waits / loop_ms if loop_ms else 0.0, syncs / max(len(step_ms), 1), summary,
+                  advice)
     save_run(_phase_dir(directory, name), command=["perfsdk", "demo", name], exit_code=0,
              wall_s=wall_s, files={}, summary=summary, regions=recorder.regions,
              dropped=recorder.dropped)
