@@ -11,6 +11,7 @@ script's frames, not perfsdk's) and exits 1, as Python does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -18,7 +19,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import perfsdk
 from perfsdk import _device
@@ -79,9 +80,21 @@ def _device_memory() -> int | None:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def _sync_guard(on: bool) -> contextlib.AbstractContextManager[Any]:
+    """``--syncs``: a counting guard; on a CPU-only build of torch it counts what would sync on
+    a GPU (``assume_device``), with a GPU only real syncs."""
+    if not on:
+        return contextlib.nullcontext()
+    import torch
+
+    cuda_build = bool(torch.version.cuda or torch.version.hip)
+    return perfsdk.no_sync_guard("count", assume_device=not cuda_build)
+
+
 def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out: TextIO,
-               err: TextIO) -> int:
-    """Run ``script`` instrumented; returns its exit code (2 when it could not be started)."""
+               err: TextIO, syncs: bool = False) -> int:
+    """Run ``script`` instrumented; returns its exit code (2 when it could not be started).
+    With ``syncs``, host-device syncs are counted and named (:func:`perfsdk.no_sync_guard`)."""
     path = Path(script)
     if not path.is_file():
         err.write(f"perfsdk run: {script}: no such file\n")
@@ -100,7 +113,8 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     with RunRecorder() as recorder:
         patches = RunPatches().install()
         try:
-            runpy.run_path(str(path), run_name="__main__")
+            with _sync_guard(syncs):
+                runpy.run_path(str(path), run_name="__main__")
         except SystemExit as exc:
             code = _exit_code(exc, err)
         except KeyboardInterrupt:

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output-dir", default=None,
                      help="where the trace, spans and run.json go (PERFSDK_OUTPUT_DIR, "
                           "./perfsdk-output)")
+    run.add_argument("--syncs", action="store_true",
+                     help="count host-device syncs and name their lines (no_sync_guard('count'); "
+                          "about 6 us more per tensor operation)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     report = commands.add_parser("report", help="render a saved run again (summary, advice, "
@@ -74,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from perfsdk._cli_run import run_script
 
         return run_script(args.script, args.args, output_dir=args.output_dir, out=sys.stdout,
-                          err=sys.stderr)
+                          err=sys.stderr, syncs=args.syncs)
     if args.command == "report":
         from perfsdk._cli_run import report
 

@@ -13,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "examples" / "lab_unoptimized.py"
+ITEM_LINE = next(i for i, line in enumerate(LAB.read_text().splitlines(), 1)
+                 if "total += loss.item()" in line)
 
 
 def perfsdk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -71,6 +73,16 @@ def test_report_renders_the_saved_run_again(lab_run) -> None:
     advice = lambda text: text[text.index("perfsdk advice"):text.index("files:")]  # noqa: E731
     assert advice(proc.stdout) == advice(first.stdout)  # derived again from the saved regions
     assert "trace-" in proc.stdout
+
+
+def test_run_with_syncs_names_the_per_step_item(tmp_path) -> None:
+    proc = perfsdk("run", "--syncs", "--output-dir", str(tmp_path / "out"), str(LAB),
+                   "--steps", "8", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    advice = proc.stdout[proc.stdout.index("perfsdk advice"):]
+    assert "Host-device syncs" in advice
+    assert f"{LAB}:{ITEM_LINE} item (8x in all)" in advice
+    assert "host-device syncs: none recorded" not in advice
 
 
 def write(tmp_path: Path, code: str) -> Path:
