@@ -171,6 +171,8 @@ class Steps:
         self.listeners: list[StepListener] = []
         self._lock = threading.Lock()
         self._paused = False
+        self.explicit = False
+        """Whether any step was started by a plain :meth:`step` call (not ``implicit``)."""
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Use ``schedule`` from now on (None: record every step) and count steps from 0."""
@@ -180,11 +182,18 @@ class Steps:
         self.end()
         self.schedule = schedule
         self.next_index = 0
+        self.explicit = False
 
-    def step(self, samples: int | None = None) -> Step:
-        """End the open step, if any, and start the next; use it as a call or a ``with``."""
+    def step(self, samples: int | None = None, *, implicit: bool = False) -> Step:
+        """End the open step, if any, and start the next; use it as a call or a ``with``.
+
+        ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
+        DataLoader batch, and stops once the script calls ``step()`` on its own: see
+        :attr:`explicit`)."""
         if samples is not None:
             _count("step", "samples", samples, 1)
+        if not implicit:
+            self.explicit = True
         self.end()
         with self._lock:
             index = self.next_index

@@ -57,6 +57,7 @@ class _Batches:
     ``data_wait`` region inside that step (``perfsdk.auto.instrument_dataloader``'s)."""
 
     __slots__ = ("_inner", "_length", "_seen")
+    _perfsdk_data_wait = True  # instrument_dataloader(loader) over it adds no second wait
 
     def __init__(self, inner: Iterator[Any], length: int | None) -> None:
         self._inner = _DataWaitIterator(inner, length)
@@ -67,10 +68,12 @@ class _Batches:
         return self
 
     def __next__(self) -> Any:
+        if STEPS.explicit:  # the script marks its own steps: leave that to it
+            return next(self._inner)
         if self._length is not None and self._seen >= self._length:
             STEPS.end()  # the end of the epoch: no step of its own
             return next(self._inner)
-        step = STEPS.step()
+        step = STEPS.step(implicit=True)
         try:
             item = next(self._inner)
         except StopIteration:
@@ -180,10 +183,22 @@ def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
 
 
 def _region_wrapper(region: timed_region) -> Callable[..., Any]:
+    """A wrapt wrapper running the call in ``region``, once: a call inside the same wrapper
+    (``Tensor.backward`` calls itself again through ``__torch_function__`` while a torch function
+    mode is on, e.g. a ``no_sync_guard``) runs as it is."""
+    inside: contextvars.ContextVar[bool] = contextvars.ContextVar(f"perfsdk_run_{region!r}",
+                                                                  default=False)
+
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
-        with region:
+        if inside.get():
             return wrapped(*args, **kwargs)
+        token = inside.set(True)
+        try:
+            with region:
+                return wrapped(*args, **kwargs)
+        finally:
+            inside.reset(token)
     return wrapper
 
 

@@ -191,7 +191,10 @@ class InstrumentedLoader(Generic[T]):
             length: int | None = len(self.loader)  # type: ignore[arg-type]
         except TypeError:
             length = None
-        return _DataWaitIterator(iter(self.loader), length)
+        inner = iter(self.loader)
+        if getattr(inner, "_perfsdk_data_wait", False):  # already one (under `perfsdk run`)
+            return inner
+        return _DataWaitIterator(inner, length)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -23,11 +23,12 @@ def perfsdk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=180, cwd=cwd, env=env, check=False)
 
 
-def summary_rows(text: str) -> dict[str, int]:
-    """Region name -> calls, from the summary table in ``text``."""
+def summary_rows(text: str, last: bool = False) -> dict[str, int]:
+    """Region name -> calls, from the (first or last) summary table in ``text``."""
     rows = {}
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("region "))
+    starts = [i for i, line in enumerate(lines) if line.startswith("region ")]
+    start = starts[-1] if last else starts[0]
     for line in lines[start + 2:]:
         if not line.strip():
             break
@@ -83,6 +84,19 @@ def test_run_with_syncs_names_the_per_step_item(tmp_path) -> None:
     assert "Host-device syncs" in advice
     assert f"{LAB}:{ITEM_LINE} item (8x in all)" in advice
     assert "host-device syncs: none recorded" not in advice
+
+
+def test_run_defers_to_the_scripts_own_instrumentation(tmp_path) -> None:
+    """On the decorated lab script (its own steps, data wait, layers and sync guard) the
+    patches add no second step, wait or backward per batch."""
+    script = ROOT / "examples" / "lab_decorated.py"
+    proc = perfsdk("run", "--output-dir", str(tmp_path / "out"), str(script), "--steps", "6",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = summary_rows(proc.stdout, last=True)
+    assert rows["data_wait"] == rows["backward"] == rows["optimizer"] == 6
+    assert rows["SimpleNet.forward"] == rows["SimpleNet"] == 6
+    assert rows["step"] == 7  # the script's 6, and the first batch's wait before its first
 
 
 def write(tmp_path: Path, code: str) -> Path:

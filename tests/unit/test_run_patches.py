@@ -104,6 +104,18 @@ def test_user_errors_propagate_and_regions_close() -> None:
     assert isinstance(region.error, ValueError)
 
 
+def test_one_backward_region_under_a_torch_function_mode() -> None:
+    """With a no_sync_guard on, Tensor.backward calls itself again through
+    __torch_function__: still one region."""
+    import perfsdk
+
+    model = nn.Linear(4, 2)
+    with capture() as cap, RunPatches(), perfsdk.no_sync_guard("count"):
+        model(torch.ones(3, 4)).sum().backward()
+    assert sorted(r.name for r in cap.regions) == ["Linear.forward", "backward"]
+    assert model.weight.grad is not None
+
+
 def test_installing_twice_is_refused_and_removal_is_idempotent() -> None:
     patches = RunPatches().install()
     try:
