@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from perfsdk import clocks
+from perfsdk.distributed import rank_attributes
 from perfsdk.memory import memory_attributes
 
 __all__ = ["SPECS", "RegionResult", "attributes", "register", "to_result"]
@@ -51,11 +52,15 @@ def host_ms(record: Record) -> float:
 
 
 def attributes(record: Record) -> dict[str, Any]:
-    """Declared attributes, then per-call ones and those set while the region ran."""
+    """Declared attributes, then per-call ones and those set while the region ran, then the
+    process's rank in a multi-process job (:func:`perfsdk.distributed.rank_attributes`)."""
     attrs: dict[str, Any] = SPECS[record[SPEC]].attributes.copy()
     extra = record[ATTRS]
     if extra:
         attrs.update(extra)
+    ranks = rank_attributes()
+    if ranks:
+        attrs.update(ranks)
     return attrs
 
 
