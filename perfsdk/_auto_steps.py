@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from perfsdk import config as _config
+from perfsdk.distributed import step_trace_id
 from perfsdk.region import Region, RegionSpec
 
 __all__ = ["PHASES", "Schedule", "Step", "StepListener", "Steps", "schedule"]
@@ -212,6 +213,10 @@ class Steps:
                 attrs["perfsdk.samples"] = samples
             region = Region(_step_spec(), attrs)
             region.enter()
+            if region.t0 and not region.parent_id:  # a root step: the run's trace for it
+                shared = step_trace_id(index)
+                if shared is not None:
+                    region.trace_id = shared
             step.region = region
         return step
 

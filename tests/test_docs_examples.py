@@ -408,7 +408,7 @@ def test_every_public_name_is_documented() -> None:
     text = REFERENCE.read_text()
     wanted = [f"perfsdk.{n}" for n in perfsdk.__all__]
     for module in (perfsdk.testing, perfsdk.bench, perfsdk.optimize, perfsdk.auto,
-                   perfsdk.advisor):
+                   perfsdk.advisor, perfsdk.distributed):
         wanted += [f"{module.__name__}.{n}" for n in module.__all__]
     missing = [n for n in wanted if f"`{n}`" not in text]
     assert not missing, f"docs/reference.md does not list {missing}"
