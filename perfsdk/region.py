@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import random
 import threading
 import time
@@ -31,7 +32,12 @@ from perfsdk.record import RegionResult
 __all__ = ["Region", "RegionResult", "RegionSpec", "validate_attributes"]
 
 _perf_ns = time.perf_counter_ns
-_getrandbits = random.getrandbits
+_ids = random.Random()  # a generator of our own, seeded from os.urandom: a program's
+# random.seed() (Lightning's seed_everything and isolate_rng, identically seeded DDP ranks)
+# must not make trace and span ids repeat; reseeded in forked children (DataLoader workers)
+_getrandbits = _ids.getrandbits
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ids.seed)
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _get_ident = threading.get_ident
 _parent_ids = _ctx.parent_ids

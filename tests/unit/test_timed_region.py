@@ -308,3 +308,40 @@ async def test_steps_aside_while_torch_compiles(monkeypatch, captured):
     with shared:
         pass
     assert [x.name for x in resolved(captured)] == ["compiled-shared"]
+
+
+def test_ids_do_not_follow_the_programs_random_seed(captured):
+    """random.seed() in the program (seed_everything, isolate_rng, identically seeded DDP ranks)
+    must not repeat trace or span ids."""
+    import random
+
+    for _ in range(2):
+        random.seed(1234)
+        with timed_region("seeded"):
+            pass
+    first, second = [r for r in resolved(captured) if r.name == "seeded"]
+    assert first.span_id != second.span_id
+    assert first.trace_id != second.trace_id
+
+
+def test_forked_children_draw_other_ids(tmp_path):
+    """A forked child (a DataLoader worker) does not repeat its parent's next ids."""
+    import os
+
+    from perfsdk import region
+
+    import warnings
+
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # 3.12+: fork() of a process with threads warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: report its next id and leave at once
+        os.close(read)
+        os.write(write, str(region._getrandbits(64)).encode())
+        os._exit(0)
+    os.close(write)
+    child = int(os.read(read, 64))
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child != region._getrandbits(64)
