@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``bench``, ``examples``, ``docs``.
+"""Developer sessions: ``nox -s tests``, ``integrations``, ``lint``, ``typecheck``, ``bench``,
+``examples``, ``docs``.
 
 CI does not need nox: ``.ci/run`` does the same with a plain venv. Arguments after ``--`` reach
 the tool each session runs, e.g. ``nox -s tests -- -k otlp -x``.
@@ -13,7 +14,7 @@ import nox
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"  # the CPU build; naming it first keeps pip from pulling a CUDA build
 
-nox.options.sessions = ["lint", "typecheck", "tests", "examples"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integrations", "examples"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -27,6 +28,15 @@ def tests(session: nox.Session) -> None:
     """The test suite (what .ci/run runs last)."""
     install(session)
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("name", ["lightning", "transformers"])
+def integrations(session: nox.Session, name: str) -> None:
+    """One integration package (integrations/<name>) with its framework, and its tests."""
+    install(session)
+    session.install("-e", f"integrations/{name}[test]")
+    session.run("python", "-m", "pytest", f"integrations/{name}/tests", *session.posargs)
 
 
 @nox.session

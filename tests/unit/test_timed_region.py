@@ -327,10 +327,9 @@ def test_ids_do_not_follow_the_programs_random_seed(captured):
 def test_forked_children_draw_other_ids(tmp_path):
     """A forked child (a DataLoader worker) does not repeat its parent's next ids."""
     import os
+    import warnings
 
     from perfsdk import region
-
-    import warnings
 
     read, write = os.pipe()
     with warnings.catch_warnings():  # 3.12+: fork() of a process with threads warns

@@ -1,0 +1,3 @@
+"""The perfsdk-lightning version."""
+
+__version__ = "0.1.0"

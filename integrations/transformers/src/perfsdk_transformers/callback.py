@@ -1,0 +1,207 @@
+"""``PerfsdkCallback``: the Hugging Face Trainer's callback events mapped onto perfsdk regions.
+
+What each region times, in terms of ``transformers.Trainer``'s events (transformers >= 4.46):
+
+- ``epoch`` (category ``epoch``, attribute ``perfsdk.epoch``): ``on_epoch_begin`` to
+  ``on_epoch_end``.
+- ``step`` (category ``step``, through ``perfsdk.auto.STEPS``): one per optimizer step, from
+  ``on_step_begin`` to ``on_step_end``; ``perfsdk.samples`` is
+  ``per_device_train_batch_size * gradient_accumulation_steps`` and ``perfsdk.samples_per_s``
+  follows from it. The Trainer fetches a step's batches *before* ``on_step_begin``, so data
+  loading falls between steps, not inside them.
+- ``microbatch`` (category ``compute``, attribute ``perfsdk.microbatch``): forward and backward of
+  one gradient-accumulation micro-batch, from ``on_step_begin`` or the previous
+  ``on_substep_end`` to the next ``on_substep_end`` or ``on_pre_optimizer_step``; the last one of a
+  step also holds gradient clipping. The Trainer has no event between forward and backward, so
+  they are not separate regions.
+- ``optimizer`` (category ``update``): ``on_pre_optimizer_step`` to ``on_optimizer_step``, i.e.
+  ``optimizer.step()`` alone (not the LR scheduler or ``zero_grad``).
+- ``validation`` (category ``eval``, attribute ``perfsdk.batches`` at its end): an evaluation the
+  Trainer runs during ``train()``. It opens at ``on_step_end`` / ``on_epoch_end`` when the
+  Trainer's flow has set ``control.should_evaluate`` (or at ``on_train_begin`` with
+  ``eval_on_start``) and closes at ``on_evaluate``, so it also holds the Trainer's logging of
+  that same step, if any. A standalone ``trainer.evaluate()`` has no event before its first
+  batch and gets no region.
+
+Regions stay balanced: each event first closes whatever a previous run left open above the
+region it opens (a ``train()`` that raised never reaches ``on_train_end``); such regions get
+``perfsdk.unfinished=True``. perfsdk's own failures warn once and never stop training.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+import perfsdk
+from perfsdk.auto import STEPS
+from perfsdk.errors import warn_once
+
+__all__ = ["PerfsdkCallback"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_CATEGORIES = {"epoch": "epoch", "microbatch": "compute", "optimizer": "update",
+               "validation": "eval"}
+
+
+def _guarded(fn: F) -> F:
+    """Run a callback event; perfsdk's own failure warns once and training goes on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            warn_once(f"perfsdk-transformers:{type(exc).__name__}",
+                      f"perfsdk-transformers: {fn.__name__} failed ({exc!r}); training goes on "
+                      "without some regions")
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _Open:
+    """One open region: a ``timed_region`` entered, or a ``perfsdk.auto`` step."""
+
+    __slots__ = ("handle", "name", "region")
+
+    def __init__(self, name: str, handle: Any, region: Any) -> None:
+        self.name = name
+        self.handle = handle
+        self.region = region  # the perfsdk Region, for attributes (None when not recorded)
+
+    def close(self, unfinished: bool) -> None:
+        if unfinished and self.region is not None:
+            self.region.set_attribute("perfsdk.unfinished", True)
+        if self.name == "step":
+            self.handle.end()
+        else:
+            self.handle.__exit__(None, None, None)
+
+
+class PerfsdkCallback(TrainerCallback):
+    """perfsdk regions for ``transformers.Trainer``: epoch, step, microbatch, optimizer and
+    validation (see the module docstring for exactly what each one times).
+
+    Example:
+        >>> from transformers import Trainer
+        >>> from perfsdk_transformers import PerfsdkCallback
+        >>> # trainer = Trainer(model=model, args=args, train_dataset=ds,
+        >>> #                   callbacks=[PerfsdkCallback()])
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[_Open] = []
+        self._microbatch = 0
+        self._batches = 0
+
+    # -- the open regions, innermost last --------------------------------------------------
+    def _open(self, name: str, **attributes: Any) -> None:
+        cm = perfsdk.timed_region(name, category=_CATEGORIES[name], attributes=attributes)
+        self._stack.append(_Open(name, cm, cm.__enter__()))
+
+    def _open_step(self, samples: int | None) -> None:
+        step = STEPS.step(samples=samples)
+        self._stack.append(_Open("step", step, step.region))
+
+    def _close(self, name: str) -> bool:
+        """Close ``name`` and whatever is still open inside it; False if it was not open."""
+        if not any(entry.name == name for entry in self._stack):
+            return False
+        while self._stack:
+            entry = self._stack.pop()
+            entry.close(unfinished=entry.name != name)
+            if entry.name == name:
+                return True
+        return False
+
+    def _unwind(self, keep: tuple[str, ...] = ()) -> None:
+        """Close open regions (left by a run that raised) down to the innermost ``keep`` one."""
+        while self._stack and self._stack[-1].name not in keep:
+            self._stack.pop().close(unfinished=True)
+
+    def close(self) -> None:
+        """Close every region still open, e.g. after ``trainer.train()`` raised."""
+        self._unwind()
+
+    # -- Trainer events ----------------------------------------------------------------------
+    @_guarded
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        self._unwind()
+        if getattr(args, "eval_on_start", False):
+            self._open_validation()
+
+    @_guarded
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        self._unwind()
+        self._open("epoch", **{"perfsdk.epoch": math.floor((state.epoch or 0.0) + 1e-6)})
+
+    @_guarded
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kwargs: Any) -> None:
+        self._unwind(keep=("epoch",))
+        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self._open_step(samples if samples >= 1 else None)
+        self._microbatch = 0
+        self._open("microbatch", **{"perfsdk.microbatch": 0})
+
+    @_guarded
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        if self._close("microbatch"):
+            self._microbatch += 1
+            self._open("microbatch", **{"perfsdk.microbatch": self._microbatch})
+
+    @_guarded
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, **kwargs: Any) -> None:
+        self._close("microbatch")
+        self._open("optimizer")
+
+    @_guarded
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                          control: TrainerControl, **kwargs: Any) -> None:
+        self._close("optimizer")
+
+    @_guarded
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        self._close("step")
+        if control.should_evaluate:
+            self._open_validation()
+
+    @_guarded
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self._close("epoch")
+        if control.should_evaluate:
+            self._open_validation()
+
+    @_guarded
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState,
+                           control: TrainerControl, **kwargs: Any) -> None:
+        self._batches += 1
+
+    @_guarded
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        top = self._stack[-1] if self._stack else None
+        if top is not None and top.name == "validation" and top.region is not None:
+            top.region.set_attribute("perfsdk.batches", self._batches)
+        self._close("validation")
+
+    @_guarded
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self._unwind()
+
+    def _open_validation(self) -> None:
+        self._unwind(keep=("epoch",))
+        self._batches = 0
+        self._open("validation")

@@ -1,0 +1,3 @@
+"""The version of perfsdk-transformers."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,277 @@
+"""perfsdk-transformers with a real ``transformers.Trainer`` on the CPU: a tiny BERT built from
+a config (random weights, nothing downloaded; conftest.py sets ``HF_HUB_OFFLINE=1`` and
+``TRANSFORMERS_OFFLINE=1``), an in-memory dataset, a few steps, regions captured in memory."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from opentelemetry import trace
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+
+import perfsdk
+import perfsdk_transformers
+from perfsdk.region import Region
+from perfsdk.testing import Capture, capture
+from perfsdk_transformers import PerfsdkCallback
+
+
+def _dataset(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 50, (6,), generator=g), "labels": torch.tensor(i % 2)}
+            for i in range(n)]
+
+
+def _model() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16))
+
+
+def _trainer(tmp_path, *, n: int = 4, callbacks=None, model=None, eval_n: int = 0,
+             **overrides) -> Trainer:
+    kwargs = {"output_dir": str(tmp_path), "max_steps": 4, "per_device_train_batch_size": 2,
+              "report_to": [], "save_strategy": "no", "logging_strategy": "no",
+              "use_cpu": True, "disable_tqdm": True, "dataloader_num_workers": 0, "seed": 0}
+    kwargs.update(overrides)
+    return Trainer(model=model or _model(), args=TrainingArguments(**kwargs),
+                   train_dataset=_dataset(n), eval_dataset=_dataset(eval_n) if eval_n else None,
+                   callbacks=callbacks)
+
+
+def _counts(cap: Capture) -> dict[str, int]:
+    names = [r.name for r in cap.regions]
+    return {name: names.count(name) for name in sorted(set(names))}
+
+
+def _by_span(cap: Capture) -> dict[int, object]:
+    return {r.span_id: r for r in cap.regions}
+
+
+def _inside(inner, outer) -> bool:
+    return outer.start_ns <= inner.start_ns and inner.end_ns <= outer.end_ns
+
+
+def test_steps_optimizer_and_epochs(tmp_path):
+    # 4 samples, batch 2: 2 steps per epoch, so max_steps=4 is 2 epochs.
+    trainer = _trainer(tmp_path, callbacks=[PerfsdkCallback()])
+    with capture() as cap:
+        trainer.train()
+    assert trainer.state.global_step == 4
+    assert _counts(cap) == {"epoch": 2, "microbatch": 4, "optimizer": 4, "step": 4}
+
+    spans = _by_span(cap)
+    epochs = sorted(cap.named("epoch"), key=lambda r: r.start_ns)
+    assert [e.attributes["perfsdk.epoch"] for e in epochs] == [0, 1]
+    assert all(e.attributes["perfsdk.category"] == "epoch" for e in epochs)
+    steps = sorted(cap.named("step"), key=lambda r: r.start_ns)
+    first = steps[0].attributes["perfsdk.step"]
+    assert [s.attributes["perfsdk.step"] for s in steps] == list(range(first, first + 4))
+    for step, epoch in zip(steps, [epochs[0]] * 2 + [epochs[1]] * 2, strict=True):
+        assert step.parent_span_id == epoch.span_id
+        assert _inside(step, epoch)
+        assert step.attributes["perfsdk.category"] == "step"
+        assert step.attributes["perfsdk.samples"] == 2  # per-device batch 2 x accumulation 1
+        assert step.attributes["perfsdk.samples_per_s"] > 0
+    for name, category in (("optimizer", "update"), ("microbatch", "compute")):
+        for region in cap.named(name):
+            parent = spans[region.parent_span_id]
+            assert parent.name == "step"
+            assert _inside(region, parent)
+            assert region.attributes["perfsdk.category"] == category
+    # each step: its micro-batch, then its optimizer step
+    for step in steps:
+        (micro,) = [r for r in cap.named("microbatch") if r.parent_span_id == step.span_id]
+        (opt,) = [r for r in cap.named("optimizer") if r.parent_span_id == step.span_id]
+        assert micro.end_ns <= opt.start_ns
+    # balanced: nothing of ours is left as the current span
+    assert not isinstance(trace.get_current_span(), Region)
+    assert sorted({s.name for s in cap.spans}) == ["epoch", "microbatch", "optimizer", "step"]
+
+
+def test_gradient_accumulation(tmp_path):
+    # 8 samples, batch 2, accumulation 2: 2 optimizer steps per epoch, max_steps=4 is 2 epochs.
+    trainer = _trainer(tmp_path, n=8, callbacks=[PerfsdkCallback()],
+                       gradient_accumulation_steps=2)
+    with capture() as cap:
+        trainer.train()
+    assert _counts(cap) == {"epoch": 2, "microbatch": 8, "optimizer": 4, "step": 4}
+    spans = _by_span(cap)
+    for step in cap.named("step"):
+        assert step.attributes["perfsdk.samples"] == 4  # 2 per device x 2 micro-batches
+        micro = sorted((r for r in cap.named("microbatch") if r.parent_span_id == step.span_id),
+                       key=lambda r: r.start_ns)
+        assert [m.attributes["perfsdk.microbatch"] for m in micro] == [0, 1]
+        assert micro[0].end_ns <= micro[1].start_ns
+        (opt,) = [r for r in cap.named("optimizer") if r.parent_span_id == step.span_id]
+        assert micro[1].end_ns <= opt.start_ns
+        assert _inside(opt, step)
+    assert all(spans[r.parent_span_id].name == "epoch" for r in cap.named("step"))
+
+
+def test_validation(tmp_path):
+    # evaluation every 2 steps, on 6 samples in batches of 4: 2 prediction batches each
+    trainer = _trainer(tmp_path, callbacks=[PerfsdkCallback()], eval_n=6,
+                       eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    with capture() as cap:
+        trainer.train()
+    assert _counts(cap) == {"epoch": 2, "microbatch": 4, "optimizer": 4, "step": 4,
+                            "validation": 2}
+    spans = _by_span(cap)
+    steps = cap.named("step")
+    for val in cap.named("validation"):
+        assert val.attributes["perfsdk.category"] == "eval"
+        assert val.attributes["perfsdk.batches"] == 2
+        assert spans[val.parent_span_id].name == "epoch"  # after its step, not inside it
+        assert not any(s.start_ns < val.end_ns and val.start_ns < s.end_ns for s in steps)
+        # it follows steps 2 and 4 of the run
+        before = [s for s in steps if s.end_ns <= val.start_ns]
+        assert len(before) in (2, 4)
+
+
+def test_training_that_raises_leaves_regions_balanced(tmp_path):
+    model = _model()
+    calls = {"n": 0}
+    forward = model.forward
+
+    @functools.wraps(forward)  # the Trainer keeps the dataset columns forward's signature names
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return forward(*args, **kwargs)
+
+    model.forward = failing_forward
+    callback = PerfsdkCallback()
+    trainer = _trainer(tmp_path, model=model, callbacks=[callback])
+    with capture() as cap:
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.train()
+        assert isinstance(trace.get_current_span(), Region)  # the failed step is still open
+        model.forward = forward
+        # the next run closes what the failed one left open, before anything of its own (here
+        # the evaluation it starts with)
+        again = _trainer(tmp_path, model=model, callbacks=[callback], eval_n=4,
+                         eval_on_start=True)
+        again.train()
+    assert not isinstance(trace.get_current_span(), Region)
+    unfinished = sorted(r.name for r in cap.regions if r.attributes.get("perfsdk.unfinished"))
+    assert unfinished == ["epoch", "microbatch", "step"]
+    assert len(cap.named("optimizer")) == 2 + 4
+    (val,) = cap.named("validation")
+    assert val.parent_span_id == 0  # a root region, not a child of the failed run's epoch
+    assert val.attributes["perfsdk.batches"] == 1
+
+
+def test_close_after_a_failed_run(tmp_path):
+    model = _model()
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    model.forward = failing_forward
+    callback = PerfsdkCallback()
+    with capture() as cap:
+        with pytest.raises(RuntimeError, match="boom"):
+            _trainer(tmp_path, model=model, callbacks=[callback]).train()
+        callback.close()
+    assert not isinstance(trace.get_current_span(), Region)
+    assert sorted(r.name for r in cap.regions) == ["epoch", "microbatch", "step"]
+
+
+def test_perfsdk_failure_never_breaks_training(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("perfsdk bookkeeping failed")
+
+    monkeypatch.setattr(perfsdk, "timed_region", broken)
+    trainer = _trainer(tmp_path, callbacks=[PerfsdkCallback()])
+    with pytest.warns(perfsdk.PerfSDKWarning) as warned:
+        trainer.train()
+    assert trainer.state.global_step == 4
+    # warned once, naming the first event that failed; every failure is counted
+    assert [str(w.message) for w in warned] == [
+        "perfsdk-transformers: on_epoch_begin failed (ValueError('perfsdk bookkeeping failed'));"
+        " training goes on without some regions"]
+    assert perfsdk.diagnostics()["warnings"]["perfsdk-transformers:ValueError"] > 4
+
+
+def test_instrument_adds_one_callback(tmp_path):
+    perfsdk_transformers.instrument()
+    perfsdk_transformers.instrument()  # idempotent
+    try:
+        assert perfsdk_transformers.is_instrumented()
+        trainer = _trainer(tmp_path)
+        ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, PerfsdkCallback)]
+        assert len(ours) == 1
+        given = _trainer(tmp_path, callbacks=[PerfsdkCallback()])
+        assert sum(isinstance(c, PerfsdkCallback) for c in given.callback_handler.callbacks) == 1
+        with capture() as cap:
+            trainer.train()
+        assert _counts(cap)["step"] == 4
+    finally:
+        perfsdk_transformers.uninstrument()
+    assert not perfsdk_transformers.is_instrumented()
+    plain = _trainer(tmp_path)
+    assert not any(isinstance(c, PerfsdkCallback) for c in plain.callback_handler.callbacks)
+
+
+def test_import_without_transformers():
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["transformers"] = None  # as if not installed
+        import perfsdk_transformers
+        try:
+            perfsdk_transformers.instrument()
+        except ImportError as exc:
+            assert "pip install 'perfsdk-transformers[instruments]'" in str(exc), exc
+        else:
+            raise AssertionError("instrument() without transformers did not raise")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=os.environ.copy(), timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_next_step_closes_stale_regions(tmp_path):
+    """A Trainer subclass that skips events (here: no on_optimizer_step / on_step_end) must not
+    leave regions open: the next on_step_begin closes them, marked unfinished."""
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
+                             gradient_accumulation_steps=2, report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    callback = PerfsdkCallback()
+    with capture() as cap:
+        callback.on_epoch_begin(args, state, control)
+        callback.on_step_begin(args, state, control)
+        callback.on_pre_optimizer_step(args, state, control)  # its end never comes
+        callback.on_step_begin(args, state, control)
+        assert isinstance(trace.get_current_span(), Region)
+        assert trace.get_current_span().name == "microbatch"
+        callback.on_pre_optimizer_step(args, state, control)
+        callback.on_optimizer_step(args, state, control)
+        callback.on_step_end(args, state, control)
+        callback.on_epoch_end(args, state, control)
+    assert not isinstance(trace.get_current_span(), Region)
+    assert _counts(cap) == {"epoch": 1, "microbatch": 2, "optimizer": 2, "step": 2}
+    unfinished = sorted(r.name for r in cap.regions if r.attributes.get("perfsdk.unfinished"))
+    assert unfinished == ["optimizer", "step"]  # the first step: its on_step_end never came
+    assert [s.attributes["perfsdk.samples"] for s in cap.named("step")] == [6, 6]
+    spans = _by_span(cap)
+    assert all(spans[r.parent_span_id].name == "step" for r in cap.named("optimizer"))
