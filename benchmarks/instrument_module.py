@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overhead import clean_environment, machine_info, versions
+from overhead import clean_environment, fill_counts, machine_info, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "instrument_module.json"
@@ -57,14 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 10; quick 2)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = p.parse_args(argv)
-    for name, full, small in (("iters", 200, 6), ("rounds", 10, 2)):
-        value = getattr(args, name)
-        if value is None:
-            setattr(args, name, small if args.quick else full)
-        elif value < 1:
-            p.error(f"--{name} must be >= 1")
-    if args.threads < 1:
-        p.error("--threads must be >= 1")
+    fill_counts(p, args, (("iters", 200, 6), ("rounds", 10, 2)))
     return args
 
 

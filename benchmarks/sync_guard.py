@@ -43,7 +43,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overhead import BUSY_RATIO, clean_environment, machine_info, percentile, stats, versions
+from overhead import (
+    BUSY_RATIO,
+    clean_environment,
+    fill_counts,
+    machine_info,
+    percentile,
+    stats,
+    versions,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "sync_guard.json"
@@ -78,15 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch intra-op threads (default 1: the guard's cost is on the calling "
                         "thread, and idle OpenMP threads on a shared machine add noise)")
     args = p.parse_args(argv)
-    for name, full, small in (("repeats", 15, 3), ("ops", 20_000, 300), ("syncs", 5_000, 100),
-                              ("steps", 50, 3)):
-        value = getattr(args, name)
-        if value is None:
-            setattr(args, name, small if args.quick else full)
-        elif value < 1:
-            p.error(f"--{name} must be >= 1")
-    if args.threads < 1:
-        p.error("--threads must be >= 1")
+    fill_counts(p, args, (("repeats", 15, 3), ("ops", 20_000, 300), ("syncs", 5_000, 100),
+                          ("steps", 50, 3)))
     return args
 
 
