@@ -29,7 +29,7 @@ from perfsdk.advisor import Advice, advise
 from perfsdk.config import _OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
 
-__all__ = ["check_output_dir", "default_exporters", "report", "run_script"]
+__all__ = ["check_output_dir", "default_exporters", "output_files", "report", "run_script"]
 
 
 def check_output_dir(directory: Path) -> str | None:
@@ -130,7 +130,7 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
         perfsdk.flush()
     summary = perfsdk.summary(show=False)
     advice = advise(recorder.regions, summary=summary, device_memory_bytes=_device_memory())
-    files = _files(directory)
+    files = output_files(directory)
     run_file = save_run(directory, command=[str(path), *args], exit_code=code, wall_s=wall_s,
                         files=files, summary=summary, regions=recorder.regions,
                         dropped=recorder.dropped)
@@ -139,7 +139,8 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     return code
 
 
-def _files(directory: Path) -> dict[str, str]:
+def output_files(directory: Path) -> dict[str, str]:
+    """The trace and spans files this process wrote in ``directory`` (those that exist)."""
     from perfsdk.lifecycle import TRACE
 
     files: dict[str, str] = {}

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 import perfsdk
 from perfsdk import _device
 from perfsdk import sync as _sync
+from perfsdk._cli_run import output_files
 from perfsdk._progress import Progress
 from perfsdk._runfile import RunRecorder, save_run
 from perfsdk.advisor import Advice, advise
@@ -209,14 +210,9 @@ def _fixed_loop(data: SyntheticImages, batch: int, image_size: int, device: str
 
 
 def _files(directory: Path) -> dict[str, str]:
-    from perfsdk.lifecycle import TRACE
-
-    files: dict[str, str] = {}
-    if TRACE.path is not None and TRACE.path.is_file():
-        files["trace"] = f"{TRACE.path}  (open in https://ui.perfetto.dev)"
-    spans = directory / f"spans-{os.getpid()}.jsonl"
-    if spans.is_file():
-        files["spans"] = str(spans)
+    files = output_files(directory)
+    if "trace" in files:
+        files["trace"] += "  (open in https://ui.perfetto.dev)"
     for name in ("before", "after"):
         files[name] = f"{directory / f'demo-{name}'}  (perfsdk report {directory}/demo-{name})"
     return files
