@@ -63,6 +63,11 @@ def test_demo_measures_the_lab_loop_then_the_fixed_one(demo) -> None:
     assert "demo.py" in before  # ... named at its line
     rows = table(out)
     assert rows["syncs per step"] == ["1.0", "0.0"]
+    for column, name in ((0, "before"), (1, "after")):  # data wait over wait plus step time
+        regions = json.loads((demo[1] / f"demo-{name}" / "run.json").read_text())["regions"]
+        waits = sum(r["host_ms"] for r in regions if r["name"] == "data_wait")
+        steps = sum(r["host_ms"] for r in regions if r["name"] == "step")
+        assert rows["data wait share"][column] == f"{waits / (waits + steps):.0%}"
     assert rows["images per step"] == ["4", "16"]
     assert rows["images/s"][2].endswith("x")
 
