@@ -14,6 +14,7 @@ OpenTelemetry's own exporters untouched.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -24,8 +25,15 @@ from perfsdk.errors import warn_once
 
 __all__ = [
     "EXPORTERS",
+    "MAX_SECONDS",
+    "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+    "OTEL_BSP_MAX_QUEUE_SIZE",
+    "OTEL_BSP_SCHEDULE_DELAY",
     "PERFSDK_ENABLED",
     "PERFSDK_EXPORTER",
+    "PERFSDK_EXPORT_BACKOFF_MAX",
+    "PERFSDK_EXPORT_BACKOFF_MIN",
     "PERFSDK_EXPORT_TIMEOUT",
     "PERFSDK_GPU_SAMPLE_INTERVAL",
     "PERFSDK_MEMORY",
@@ -36,6 +44,7 @@ __all__ = [
     "PERFSDK_SERVICE_NAME",
     "PERFSDK_SYNC_GUARD",
     "PERFSDK_TIMING",
+    "PERFSDK_TRACE_MAX_REGIONS",
     "SYNC_GUARD_MODES",
     "Config",
     "configure",
@@ -98,8 +107,45 @@ PERFSDK_SERVICE_NAME: Final = "PERFSDK_SERVICE_NAME"
 else ``service.name`` from ``OTEL_RESOURCE_ATTRIBUTES`` if set there, else ``perfsdk``."""
 
 PERFSDK_EXPORT_TIMEOUT: Final = "PERFSDK_EXPORT_TIMEOUT"
-"""Seconds that :func:`perfsdk.flush` and :func:`perfsdk.shutdown` (and so interpreter exit) wait
-at most for exporters, a float > 0. Default ``5``. An unreachable collector never hangs exit."""
+"""Seconds that :func:`perfsdk.flush` and :func:`perfsdk.shutdown` wait at most, and that
+interpreter exit adds at most in total (resolving, exporting spans, metrics and the trace file
+share this one budget), a float > 0 and <= 86400. Default ``5``. Also each batch's exporter
+timeout unless ``OTEL_BSP_EXPORT_TIMEOUT`` is set. A DataLoader worker (a multiprocessing
+child) waits at most ``min(this, 0.5)`` s at its exit. An unreachable collector never hangs
+exit: what is not sent by then is counted as lost (reason ``shutdown``)."""
+
+OTEL_BSP_MAX_QUEUE_SIZE: Final = "OTEL_BSP_MAX_QUEUE_SIZE"
+"""Spans waiting for export, per exporter, at most (OpenTelemetry's BatchSpanProcessor variable),
+an integer from 1 to 1,000,000. Default ``2048``. Beyond it a span is dropped and counted
+(``queue_full``, or ``backing_off`` while the collector is being retried); the summary still
+counts the region."""
+
+OTEL_BSP_MAX_EXPORT_BATCH_SIZE: Final = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
+"""Spans per export call at most, an integer from 1 to ``OTEL_BSP_MAX_QUEUE_SIZE``. Default
+``512``. A full batch is exported at once, without waiting for the schedule delay."""
+
+OTEL_BSP_SCHEDULE_DELAY: Final = "OTEL_BSP_SCHEDULE_DELAY"
+"""Milliseconds between exports of a partial batch, from 0 to 86,400,000. Default ``5000``."""
+
+OTEL_BSP_EXPORT_TIMEOUT: Final = "OTEL_BSP_EXPORT_TIMEOUT"
+"""Milliseconds one export call may take (given to the OTLP exporter as its timeout), > 0 and
+<= 86,400,000. Default: ``PERFSDK_EXPORT_TIMEOUT``. ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT``,
+when set, still reaches the OTLP exporter itself."""
+
+PERFSDK_EXPORT_BACKOFF_MIN: Final = "PERFSDK_EXPORT_BACKOFF_MIN"
+"""Seconds of rest after the first failed export, a float > 0 and <= 86400. Default ``0.5``.
+Each further failure in a row doubles the rest, up to ``PERFSDK_EXPORT_BACKOFF_MAX``, with full
+jitter (a random rest between half and all of it); the first success ends the backoff. Spans
+produced meanwhile wait in the bounded queue."""
+
+PERFSDK_EXPORT_BACKOFF_MAX: Final = "PERFSDK_EXPORT_BACKOFF_MAX"
+"""The longest rest between export attempts while a collector fails, in seconds, a float
+>= ``PERFSDK_EXPORT_BACKOFF_MIN`` and <= 86400. Default ``30``."""
+
+PERFSDK_TRACE_MAX_REGIONS: Final = "PERFSDK_TRACE_MAX_REGIONS"
+"""Regions the ``trace`` exporter's file holds at most (about 300 bytes each in memory), an
+integer from 1 to 100,000,000. Default ``250000``. Later regions are counted in the file's
+``otherData`` (``perfsdk.dropped_regions``) and in :func:`perfsdk.diagnostics`."""
 
 PERFSDK_SYNC_GUARD: Final = "PERFSDK_SYNC_GUARD"
 """Override the mode of every :func:`perfsdk.no_sync_guard`: ``off``, ``count``, ``warn`` or
@@ -111,6 +157,9 @@ SYNC_GUARD_MODES: Final = ("off", "count", "warn", "error")
 
 EXPORTERS: Final = ("otlp", "console", "file", "none", "trace")
 """The accepted values of :data:`PERFSDK_EXPORTER` and of ``configure(exporter=...)``."""
+
+MAX_SECONDS: Final = 86_400.0
+"""The longest duration any setting accepts (a day): larger values are typos or ``inf``."""
 
 _OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
@@ -134,6 +183,30 @@ class Config:
     service_name: str = "perfsdk"
     export_timeout_s: float = 5.0
     sync_guard: str | None = None
+    export_queue_size: int = 2048
+    export_batch_size: int = 512
+    export_delay_s: float = 5.0
+    export_batch_timeout_s: float | None = None
+    """None: ``export_timeout_s``."""
+    export_backoff_min_s: float = 0.5
+    export_backoff_max_s: float = 30.0
+    trace_max_regions: int = 250_000
+
+    def __post_init__(self) -> None:
+        if self.export_batch_size > self.export_queue_size:
+            raise ValueError(f"export_batch_size={self.export_batch_size} is larger than "
+                             f"export_queue_size={self.export_queue_size}; accepted values are "
+                             "batch sizes from 1 to the queue size")
+        if self.export_backoff_max_s < self.export_backoff_min_s:
+            raise ValueError(f"export_backoff_max_s={self.export_backoff_max_s:g} is less than "
+                             f"export_backoff_min_s={self.export_backoff_min_s:g}; accepted "
+                             "values are a maximum >= the minimum")
+
+    @property
+    def batch_timeout_s(self) -> float:
+        """One export call's timeout: ``export_batch_timeout_s``, else ``export_timeout_s``."""
+        explicit = self.export_batch_timeout_s
+        return self.export_timeout_s if explicit is None else explicit
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -158,7 +231,43 @@ class Config:
                 env, PERFSDK_EXPORT_TIMEOUT, _parse_timeout, default.export_timeout_s
             ),
             sync_guard=_env(env, PERFSDK_SYNC_GUARD, _parse_sync_guard, default.sync_guard),
+            **_batch_settings(env, default),
         )
+
+
+def _batch_settings(env: Mapping[str, str], default: Config) -> dict[str, Any]:
+    """The export queue's settings from ``OTEL_BSP_*`` and ``PERFSDK_EXPORT_BACKOFF_*``; a batch
+    size above the queue size, or a maximum rest below the minimum, warns and is clamped."""
+    out: dict[str, Any] = {
+        "export_queue_size": _env(env, OTEL_BSP_MAX_QUEUE_SIZE, _parse_queue_size,
+                                  default.export_queue_size),
+        "export_batch_size": _env(env, OTEL_BSP_MAX_EXPORT_BATCH_SIZE, _parse_queue_size,
+                                  default.export_batch_size),
+        "export_delay_s": _env(env, OTEL_BSP_SCHEDULE_DELAY, _parse_delay_ms,
+                               default.export_delay_s),
+        "export_batch_timeout_s": _env(env, OTEL_BSP_EXPORT_TIMEOUT, _parse_timeout_ms,
+                                       default.export_batch_timeout_s),
+        "export_backoff_min_s": _env(env, PERFSDK_EXPORT_BACKOFF_MIN, _parse_timeout,
+                                     default.export_backoff_min_s),
+        "export_backoff_max_s": _env(env, PERFSDK_EXPORT_BACKOFF_MAX, _parse_timeout,
+                                     default.export_backoff_max_s),
+        "trace_max_regions": _env(env, PERFSDK_TRACE_MAX_REGIONS, _parse_trace_max,
+                                  default.trace_max_regions),
+    }
+    if out["export_batch_size"] > out["export_queue_size"] and (
+            env.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, "").strip()):
+        warn_once(f"env:{OTEL_BSP_MAX_EXPORT_BATCH_SIZE}",
+                  f"perfsdk: {OTEL_BSP_MAX_EXPORT_BATCH_SIZE}={out['export_batch_size']} is "
+                  f"larger than the queue ({out['export_queue_size']}); accepted values are 1 "
+                  f"to {OTEL_BSP_MAX_QUEUE_SIZE}. Using {out['export_queue_size']}.")
+    out["export_batch_size"] = min(out["export_batch_size"], out["export_queue_size"])
+    if out["export_backoff_max_s"] < out["export_backoff_min_s"]:
+        warn_once(f"env:{PERFSDK_EXPORT_BACKOFF_MAX}",
+                  f"perfsdk: {PERFSDK_EXPORT_BACKOFF_MAX}={out['export_backoff_max_s']:g} is "
+                  f"less than the minimum rest ({out['export_backoff_min_s']:g} s); accepted "
+                  f"values are >= {PERFSDK_EXPORT_BACKOFF_MIN}. Using the minimum.")
+        out["export_backoff_max_s"] = out["export_backoff_min_s"]
+    return out
 
 
 def _otel_service_name(env: Mapping[str, str]) -> str:
@@ -231,14 +340,41 @@ def _parse_path(raw: str | os.PathLike[str]) -> Path:
     return Path(raw).expanduser()
 
 
-def _parse_every(raw: str | int) -> int:
+def _number(raw: Any, accepted: str, low: float, high: float, *, integer: bool = False,
+            low_open: bool = False) -> float:
+    """``raw`` as a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``), else
+    ValueError with ``accepted`` (what the values may be) in its message."""
+    if isinstance(raw, bool):
+        raise ValueError(f"accepted values are {accepted}")
     try:
-        value = int(raw)
+        value = float(raw.strip() if isinstance(raw, str) else raw)
     except (TypeError, ValueError):
-        raise ValueError("accepted values are integers >= 1") from None
-    if isinstance(raw, bool) or value < 1:
-        raise ValueError("accepted values are integers >= 1")
+        raise ValueError(f"accepted values are {accepted}") from None
+    if (not math.isfinite(value) or value > high or value < low or (low_open and value == low)
+            or (integer and value != int(value))):
+        raise ValueError(f"accepted values are {accepted}")
     return value
+
+
+def _parse_every(raw: str | int) -> int:
+    return int(_number(raw, "integers from 1 to 1,000,000,000", 1, 1e9, integer=True))
+
+
+def _parse_queue_size(raw: str | int) -> int:
+    return int(_number(raw, "integers from 1 to 1,000,000", 1, 1e6, integer=True))
+
+
+def _parse_trace_max(raw: str | int) -> int:
+    return int(_number(raw, "integers from 1 to 100,000,000", 1, 1e8, integer=True))
+
+
+def _parse_delay_ms(raw: str) -> float:
+    return _number(raw, "milliseconds from 0 to 86400000 (a day)", 0, MAX_SECONDS * 1000) / 1000
+
+
+def _parse_timeout_ms(raw: str) -> float:
+    return _number(raw, "milliseconds > 0 and <= 86400000 (a day)", 0, MAX_SECONDS * 1000,
+                   low_open=True) / 1000
 
 
 def _parse_name(raw: str) -> str:
@@ -248,13 +384,16 @@ def _parse_name(raw: str) -> str:
 
 
 def _parse_timeout(raw: str | float) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError("accepted values are numbers of seconds > 0") from None
-    if isinstance(raw, bool) or not value > 0:
-        raise ValueError("accepted values are numbers of seconds > 0")
-    return value
+    return _number(raw, "numbers of seconds > 0 and <= 86400 (a day)", 0, MAX_SECONDS,
+                   low_open=True)
+
+
+def _parse_optional_timeout(raw: str | float | None) -> float | None:
+    return None if raw is None else _parse_timeout(raw)
+
+
+def _parse_delay(raw: str | float) -> float:
+    return _number(raw, "numbers of seconds from 0 to 86400 (a day)", 0, MAX_SECONDS)
 
 
 def _parse_sync_guard(raw: str | None) -> str | None:
@@ -268,13 +407,7 @@ def _parse_sync_guard(raw: str | None) -> str | None:
 
 
 def _parse_interval(raw: str | float) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError("accepted values are numbers of seconds >= 0 (0 = off)") from None
-    if isinstance(raw, bool) or not value >= 0:
-        raise ValueError("accepted values are numbers of seconds >= 0 (0 = off)")
-    return value
+    return _number(raw, "numbers of seconds from 0 (off) to 86400 (a day)", 0, MAX_SECONDS)
 
 
 class _HotState:
@@ -316,6 +449,13 @@ def configure(
     service_name: str = _UNSET,
     export_timeout_s: float = _UNSET,
     sync_guard: str | None = _UNSET,
+    export_queue_size: int = _UNSET,
+    export_batch_size: int = _UNSET,
+    export_delay_s: float = _UNSET,
+    export_batch_timeout_s: float | None = _UNSET,
+    export_backoff_min_s: float = _UNSET,
+    export_backoff_max_s: float = _UNSET,
+    trace_max_regions: int = _UNSET,
 ) -> Config:
     """Change perfsdk's settings; arguments left out keep their current value.
 
@@ -333,9 +473,21 @@ def configure(
         memory_snapshots: record CUDA allocation history for OOM snapshots.
         gpu_sample_interval_s: seconds between NVML readings; 0 turns GPU sampling off.
         service_name: ``service.name`` of perfsdk's OpenTelemetry resource.
-        export_timeout_s: the longest :func:`perfsdk.flush` / exit waits for exporters.
+        export_timeout_s: the longest :func:`perfsdk.flush` waits, and the most that exit
+            adds in total (seconds, > 0 and <= 86400).
         sync_guard: the mode every :func:`perfsdk.no_sync_guard` uses (``off``, ``count``,
             ``warn``, ``error``), or None to let each guard keep its own.
+        export_queue_size: spans waiting for export per exporter at most (1 to 1,000,000;
+            ``OTEL_BSP_MAX_QUEUE_SIZE``); beyond it spans are dropped and counted.
+        export_batch_size: spans per export call (1 to the queue size;
+            ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``).
+        export_delay_s: seconds between exports of a partial batch (0 to 86400;
+            ``OTEL_BSP_SCHEDULE_DELAY``, which is in milliseconds).
+        export_batch_timeout_s: one export call's timeout in seconds, or None for
+            ``export_timeout_s`` (``OTEL_BSP_EXPORT_TIMEOUT``, in milliseconds).
+        export_backoff_min_s: the first rest after a failed export (seconds).
+        export_backoff_max_s: the longest rest between attempts while exports fail.
+        trace_max_regions: regions the ``trace`` file holds at most (1 to 100,000,000).
 
     Raises:
         ValueError: an argument has a value outside those accepted; the message names both.
@@ -365,6 +517,14 @@ def configure(
         ("gpu_sample_interval_s", "gpu_sample_interval_s", gpu_sample_interval_s,
          _parse_interval),
         ("sync_guard", "sync_guard", sync_guard, _parse_sync_guard),
+        ("export_queue_size", "export_queue_size", export_queue_size, _parse_queue_size),
+        ("export_batch_size", "export_batch_size", export_batch_size, _parse_queue_size),
+        ("export_delay_s", "export_delay_s", export_delay_s, _parse_delay),
+        ("export_batch_timeout_s", "export_batch_timeout_s", export_batch_timeout_s,
+         _parse_optional_timeout),
+        ("export_backoff_min_s", "export_backoff_min_s", export_backoff_min_s, _parse_timeout),
+        ("export_backoff_max_s", "export_backoff_max_s", export_backoff_max_s, _parse_timeout),
+        ("trace_max_regions", "trace_max_regions", trace_max_regions, _parse_trace_max),
     )
     for arg, field, value, parse in parsers:
         if value is _UNSET:
@@ -373,7 +533,14 @@ def configure(
             changes[field] = parse(value)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"configure({arg}={value!r}): {exc}") from None
-    return _replace(dataclasses.replace(_config, **changes))
+    if "export_queue_size" in changes and "export_batch_size" not in changes:
+        changes["export_batch_size"] = min(_config.export_batch_size,
+                                           changes["export_queue_size"])
+    try:
+        new = dataclasses.replace(_config, **changes)
+    except ValueError as exc:  # settings that must agree with each other (Config.__post_init__)
+        raise ValueError(f"configure(): {exc}") from None
+    return _replace(new)
 
 
 def reset_from_env() -> Config:

@@ -10,8 +10,10 @@ from perfsdk import config as _config
 from perfsdk import errors
 from perfsdk import gpu as _gpu
 from perfsdk import memory as _memory
+from perfsdk import pipeline as _pipeline
 from perfsdk import sync as _sync
 from perfsdk.config import Config
+from perfsdk.errors import warn_once
 from perfsdk.export.summary import Summary, SummarySink
 from perfsdk.export.trace import TraceSink
 from perfsdk.pipeline import PIPELINE
@@ -40,6 +42,8 @@ except ImportError:  # optional: pip install opentelemetry-sdk
 else:
     SPANS = SpanSink(_for_otel(_config.get_config()))
     PIPELINE.sinks.append(SPANS)
+    PIPELINE.on_overflow = SPANS.overflowed
+    _pipeline.lost_report = SPANS.lost_lines
 
 
 try:
@@ -74,8 +78,15 @@ def _on_change(old: Config, new: Config) -> None:
             SPANS.validate()
         if PIPELINE.started:
             SPANS.prepare()
-            if METRICS is not None:
-                METRICS.prepare()
+    elif any(getattr(old, f) != getattr(new, f) for f in _QUEUE_FIELDS):
+        PIPELINE.drain(wait=False)  # queued spans go out under the old settings
+        SPANS.configure(new, timeout=old.export_timeout_s)
+        if PIPELINE.started:
+            SPANS.prepare()
+
+
+_QUEUE_FIELDS = ("export_queue_size", "export_batch_size", "export_delay_s",
+                 "export_batch_timeout_s", "export_backoff_min_s", "export_backoff_max_s")
 
 
 _config.on_change(_on_change)
@@ -86,13 +97,17 @@ if _config.get_config().memory_snapshots:
 def flush(timeout: float | None = None) -> None:
     """Resolve every finished region (waiting for their GPU work) and push spans out.
 
-    Waits at most ``timeout`` seconds (default ``PERFSDK_EXPORT_TIMEOUT``) for exporters.
+    Returns within ``timeout`` seconds (default ``PERFSDK_EXPORT_TIMEOUT``) whatever the
+    exporters do: the work happens on perfsdk's threads; this only waits for it. What is not
+    out by then stays queued (bounded) for a later export.
     """
     PIPELINE.flush(_config.get_config().export_timeout_s if timeout is None else timeout)
 
 
 def shutdown(timeout: float | None = None) -> None:
-    """Flush and close perfsdk's exporters. Runs by itself at interpreter exit."""
+    """Flush and close perfsdk's exporters, within ``timeout`` seconds in total (default
+    ``PERFSDK_EXPORT_TIMEOUT``); spans not out by then are counted as lost (``shutdown``). Runs
+    by itself at interpreter exit."""
     PIPELINE.shutdown(_config.get_config().export_timeout_s if timeout is None else timeout)
 
 
@@ -108,7 +123,10 @@ def summary(*, show: bool = True, file: TextIO | None = None) -> Summary:
         >>> isinstance(table.rows, tuple)
         True
     """
-    PIPELINE.drain(wait=True)
+    if not PIPELINE.settle(_config.get_config().export_timeout_s):
+        warn_once("summary-timeout", f"perfsdk: {PIPELINE.pending:,} regions were still "
+                  "waiting (for the GPU) after PERFSDK_EXPORT_TIMEOUT; the summary leaves "
+                  "them out.")
     table = SUMMARY.snapshot()
     sites = _sync.sites()
     if sites:
@@ -120,7 +138,12 @@ def summary(*, show: bool = True, file: TextIO | None = None) -> Summary:
 
 
 def diagnostics() -> dict[str, Any]:
-    """What perfsdk's own machinery did: warnings by kind, pending regions, spans exported."""
+    """What perfsdk's own machinery did: warnings by kind, pending regions, and the span
+    account: ``spans_produced``, ``spans_exported``, ``spans_lost`` by reason (``queue_full``,
+    ``backing_off``, ``export_failed``, ``export_timeout``, ``shutdown``) and ``spans_pending``
+    (queued or in an export call); ``spans_exported + sum(spans_lost.values()) +
+    spans_pending == spans_produced``, and after :func:`shutdown` nothing is pending.
+    ``exporters`` has the same per exporter, with its target and last failure's cause."""
     info: dict[str, Any] = {"warnings": errors.counts(), "pending_regions": PIPELINE.pending}
     sampler = _gpu.TELEMETRY.sampler
     info["gpu_sampling"] = "off" if sampler is None else "on"
@@ -128,7 +151,7 @@ def diagnostics() -> dict[str, Any]:
         info["gpu_sampler_core_fraction"] = sampler.overhead().core_fraction
     info.update(TRACE.stats())
     if SPANS is not None:
-        info["span_mode"] = SPANS._mode or "undecided"
+        info["span_mode"] = SPANS.decided or "undecided"
         info.update(SPANS.stats())
     if METRICS is not None:
         info.update(METRICS.stats())

@@ -1,50 +1,98 @@
 """The pending queue: finished regions wait here until their device time is known, then go to
-the sinks (summary, spans, test captures) in the background.
+the sinks (summary, trace file, metrics, the span export queues, test captures) in the
+background.
 
-The training thread only appends to a deque. A daemon thread wakes every ``interval`` seconds,
-resolves the regions whose end event's ``query()`` says done and hands them to the sinks; the
-rest wait for a later round. :meth:`Pipeline.flush` does the same on the caller's thread and
-waits for what is still on the GPU (the user asked to flush); so does interpreter exit.
+The training thread only appends to a deque, at most :data:`MAX_PENDING` records; beyond that a
+region still counts in the summary (calls, total, errors), and its span is counted as lost
+(``queue_full``). A daemon thread wakes every ``interval`` seconds, resolves the regions whose
+end event's ``query()`` says done and hands them to the sinks; the rest wait for a later round.
+No sink exports or writes files on this thread either: spans go to bounded export queues with
+threads of their own (:mod:`perfsdk.export.delivery`), the trace file to its writer thread.
+
+Whoever waits (:meth:`Pipeline.flush`, :meth:`Pipeline.settle`, :meth:`Pipeline.shutdown`)
+asks the pipeline thread to do the work and waits at most its timeout: the caller never
+resolves, builds or exports anything itself. Exit (:func:`at_exit`) adds at most
+``PERFSDK_EXPORT_TIMEOUT`` in total, and says on stderr how many spans were lost, and why.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import multiprocessing.util
 import os
+import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from perfsdk import _device, clocks
 from perfsdk.errors import warn_once
-from perfsdk.record import END, REGION, START, T1
+from perfsdk.record import END, ERROR, REGION, SPEC, START, T0, T1
 
-__all__ = ["PIPELINE", "Pipeline", "Sink"]
+__all__ = ["FORK", "MAX_PENDING", "PIPELINE", "WORKER_EXIT_BUDGET", "Pipeline", "Sink"]
 
 CHUNK = 512
 """Records per hand-off to the sinks: spans built for one chunk die before the next is built,
 so they never live long enough to be promoted to the old GC generation."""
 
+MAX_PENDING = 65_536
+"""Regions waiting for the pipeline thread at most (about 300 bytes each). Beyond it a region
+is tallied for the summary only and its span counted as lost (``queue_full``)."""
+
+WORKER_EXIT_BUDGET = 0.5
+"""Seconds a multiprocessing child (a DataLoader worker) spends at most on its exit flush: a
+worker's spans reach a healthy collector in milliseconds, and a down one must not stall every
+epoch. Counted as lost (``shutdown``) past that."""
+
+
+class _Fork:
+    """The process's fork generation: a region entered in another generation (the parent) and
+    exited in a forked child is the parent's, and the child never records it."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+
+FORK = _Fork()
+
 
 class Sink(Protocol):
-    """Where resolved records (see :mod:`perfsdk.record`) go."""
+    """Where resolved records (see :mod:`perfsdk.record`) go. ``consume`` runs on the pipeline
+    thread and must not block (no export, no file I/O); ``flush`` and ``shutdown`` may wait
+    for their own threads, at most ``timeout`` seconds."""
 
     def consume(self, records: list[Any]) -> None: ...
     def flush(self, timeout: float) -> None: ...
     def shutdown(self, timeout: float) -> None: ...
 
 
+class _Ticket:
+    """A request to the pipeline thread: drain (waiting for the GPU), then set ``done``."""
+
+    __slots__ = ("done", "final")
+
+    def __init__(self, final: bool) -> None:
+        self.done = threading.Event()
+        self.final = final
+
+
 class Pipeline:
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, *, max_pending: int = MAX_PENDING) -> None:
         self.interval = interval
+        self.max_pending = max_pending
         self.sinks: list[Sink] = []
         self.gate: Callable[[int], bool] | None = None
         """Holds back a record until ``gate(record end, perf_counter ns)`` is true."""
         self.on_round: list[Callable[[], None]] = []
         """Called on the pipeline thread before each round (e.g. to start the GPU sampler)."""
+        self.on_overflow: Callable[[int], None] | None = None
+        """Told how many regions overflowed the pending queue (the span sink counts them)."""
         self.started = False
         self._init_state()
         if hasattr(os, "register_at_fork"):
@@ -53,16 +101,42 @@ class Pipeline:
     def _init_state(self) -> None:
         self._queue: deque[Any] = deque()
         self._waiting: list[Any] = []
+        self._overflow: dict[int, list[int]] = {}
+        self._overflow_lock = threading.Lock()
+        self.overflowed = 0
         self._drain_lock = threading.Lock()
         self._resolve_lock = threading.Lock()
         self._wake = threading.Event()
+        self._tickets: deque[_Ticket] = deque()
+        self._set_up = threading.Event()
+        self._ready_hook = False
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.started = False
 
     # -- the hot path ----------------------------------------------------------------------
     def submit(self, record: Any) -> None:
-        self._queue.append(record)
+        queue = self._queue
+        if len(queue) < self.max_pending:
+            queue.append(record)
+        else:
+            self._spill(record)
+
+    def _spill(self, record: Any) -> None:
+        """The pending queue is full: tally the region for the summary (calls, host time,
+        errors) and count its span as lost; never block, never grow."""
+        with self._overflow_lock:
+            tally = self._overflow.get(record[SPEC])
+            if tally is None:
+                tally = self._overflow[record[SPEC]] = [0, 0, 0]
+            tally[0] += 1
+            tally[1] += record[T1] - record[T0]
+            tally[2] += record[ERROR] is not None
+            self.overflowed += 1
+        warn_once("pipeline-full", f"perfsdk: more than {self.max_pending:,} regions are "
+                  "waiting for perfsdk's background thread; further regions count in the "
+                  "summary (calls, total, errors) but their spans are dropped and counted "
+                  "(perfsdk.diagnostics()['spans_lost']['queue_full']).")
 
     def poke(self) -> None:
         """At a region's exit on the GPU: if the oldest region still waiting for the GPU is done,
@@ -78,8 +152,9 @@ class Pipeline:
 
     # -- background ------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the background thread; run once per process, at the first region's enter,
-        on the caller's thread (so sinks set up exporters before any user span is opened)."""
+        """Start the background thread; run once per process, at the first region's enter, on
+        the caller's thread. Sinks' ``prepare`` hooks run here and must be cheap (the span
+        sink installs its provider; exporters are built on their own threads)."""
         with self._drain_lock:
             if self._thread is not None or self._stopping:
                 return
@@ -87,10 +162,18 @@ class Pipeline:
             self._thread = thread
             self.started = True
         thread.start()
+        if not self._ready_hook:
+            self._ready_hook = True
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:  # CPython: runs before concurrent.futures shuts down
+                try:
+                    register(self._until_ready)
+                except RuntimeError:  # the interpreter is already shutting down
+                    pass
         if multiprocessing.parent_process() is not None:
             # A multiprocessing child (e.g. a DataLoader worker) ends with os._exit(), which
             # skips atexit; multiprocessing's own finalizers still run, so flush there.
-            multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
+            multiprocessing.util.Finalize(None, at_exit, exitpriority=100)
         for sink in list(self.sinks):
             prepare = getattr(sink, "prepare", None)
             if prepare is not None:
@@ -101,17 +184,55 @@ class Pipeline:
                               f"perfsdk: setting up {type(sink).__name__} failed ({exc!r}).")
 
     def _run(self) -> None:
-        while not self._stopping:
+        for sink in list(self.sinks):  # set-up that may be slow: here, not on the caller
+            settle = getattr(sink, "settle", None)
+            if settle is not None:
+                self._guard(settle, f"settle:{type(sink).__name__}")
+        self._set_up.set()
+        while True:
             self._wake.wait(self.interval)
             self._wake.clear()
-            if not self._stopping:
+            tickets = self._take_tickets()
+            final = any(t.final for t in tickets)
+            if not final and not self._stopping:
                 for hook in self.on_round:
-                    try:
-                        hook()
-                    except Exception as exc:  # never break the program
-                        warn_once(f"round:{getattr(hook, '__name__', hook)}",
-                                  f"perfsdk: background task failed ({exc!r}).")
-                self.drain(wait=False)
+                    self._guard(hook, f"round:{getattr(hook, '__name__', hook)}")
+            self.drain(wait=bool(tickets))
+            for ticket in tickets:
+                ticket.done.set()
+            if final or self._stopping:
+                return
+
+    def _guard(self, fn: Callable[[], object], key: str) -> None:
+        try:
+            fn()
+        except Exception as exc:  # never break the program
+            warn_once(key, f"perfsdk: background task failed ({exc!r}).")
+
+    def _take_tickets(self) -> list[_Ticket]:
+        tickets = []
+        while self._tickets:
+            try:
+                tickets.append(self._tickets.popleft())
+            except IndexError:
+                break
+        return tickets
+
+    def _until_ready(self) -> None:
+        """At the start of interpreter shutdown (before ``concurrent.futures`` refuses new work,
+        which OpenTelemetry's resource detection and gRPC exporter need): let the background
+        set-up that started at the first region finish, within the export timeout. Nothing is
+        exported here; exit's shutdown (atexit) does that."""
+        from perfsdk.config import get_config
+
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + get_config().export_timeout_s
+        self._set_up.wait(max(0.0, deadline - time.monotonic()))
+        for sink in list(self.sinks):
+            ready = getattr(sink, "wait_ready", None)
+            if ready is not None:
+                self._guard(functools.partial(ready, deadline), f"ready:{type(sink).__name__}")
 
     def wake(self) -> None:
         self._wake.set()
@@ -121,17 +242,33 @@ class Pipeline:
         """Regions not yet handed to the sinks (queued or waiting for the GPU)."""
         return len(self._queue) + len(self._waiting)
 
+    def settle(self, timeout: float, *, final: bool = False) -> bool:
+        """Have the pipeline thread hand every finished region to the sinks (waiting for the
+        GPU's work of each); wait at most ``timeout`` seconds. True when done in time.
+
+        Without a running pipeline thread (none started yet, or called from that thread), the
+        drain runs here: there is nobody else to do it."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            self.drain(wait=True, timeout=timeout)
+            return True
+        ticket = _Ticket(final)
+        self._tickets.append(ticket)
+        self._wake.set()
+        return ticket.done.wait(max(timeout, 0.0))
+
     def drain(self, wait: bool, timeout: float = -1) -> int:
         """Hand every resolvable record to the sinks; with ``wait``, wait for the GPU first.
 
-        With a ``timeout`` (seconds), give up if another drain (a slow exporter) holds the
-        pipeline that long.
+        With a ``timeout`` (seconds), give up if another drain holds the pipeline that long.
+        Sinks only queue or aggregate here, so a drain never waits for an exporter.
         """
         if not self._drain_lock.acquire(timeout=timeout):
-            warn_once("drain-timeout", f"perfsdk: an exporter kept the pipeline busy for more "
-                      f"than {timeout:g} s; {self.pending} regions were not exported.")
+            warn_once("drain-timeout", f"perfsdk: the pipeline was busy for more than "
+                      f"{timeout:g} s; {self.pending} regions wait for a later round.")
             return 0
         try:
+            self._deliver_overflow()
             batch, self._waiting = self._waiting, []
             queue = self._queue
             while queue:
@@ -155,6 +292,19 @@ class Pipeline:
             return len(ready)
         finally:
             self._drain_lock.release()
+
+    def _deliver_overflow(self) -> None:
+        if not self._overflow:
+            return
+        with self._overflow_lock:
+            overflow, self._overflow = self._overflow, {}
+            count, self.overflowed = self.overflowed, 0
+        for sink in list(self.sinks):
+            tally = getattr(sink, "tally", None)
+            if tally is not None:
+                self._guard(functools.partial(tally, overflow), f"tally:{type(sink).__name__}")
+        if self.on_overflow is not None:
+            self.on_overflow(count)
 
     def _deliver(self, records: list[Any]) -> None:
         for sink in list(self.sinks):
@@ -197,26 +347,43 @@ class Pipeline:
             return True
 
     def flush(self, timeout: float) -> None:
-        self.drain(wait=True, timeout=timeout)
+        """Resolve and hand over every finished region, then let each sink push out what it
+        holds; returns within ``timeout`` seconds whatever the exporters do."""
+        deadline = time.monotonic() + timeout
+        self.settle(timeout)
         for sink in list(self.sinks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                sink.flush(timeout)
+                sink.flush(left)
             except Exception as exc:
                 warn_once(f"flush:{type(sink).__name__}",
                           f"perfsdk: flushing {type(sink).__name__} failed ({exc!r}).")
 
     def shutdown(self, timeout: float) -> None:
+        """Stop the pipeline thread after a last drain, then shut the sinks down, all within
+        ``timeout`` seconds in total; what is not out by then is counted as lost."""
+        deadline = time.monotonic() + timeout
         self._stopping = True
-        self._wake.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        if thread is not None and thread is not threading.current_thread() and \
+                thread.is_alive():
+            ticket = _Ticket(final=True)
+            self._tickets.append(ticket)
+            self._wake.set()
+            ticket.done.wait(max(0.0, deadline - time.monotonic()))
+        else:
+            self.drain(wait=True, timeout=max(0.0, deadline - time.monotonic()))
         self._thread = None
-        self.drain(wait=True, timeout=timeout)
         self.started = False
-        for sink in list(self.sinks):
+        for sink in list(self.sinks):  # every sink's threads start at once ...
+            begin = getattr(sink, "begin_shutdown", None)
+            if begin is not None:
+                self._guard(begin, f"begin-shutdown:{type(sink).__name__}")
+        for sink in list(self.sinks):  # ... and share what is left of the one budget
             try:
-                sink.shutdown(timeout)
+                sink.shutdown(max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 warn_once(f"shutdown:{type(sink).__name__}",
                           f"perfsdk: shutting down {type(sink).__name__} failed ({exc!r}).")
@@ -224,6 +391,7 @@ class Pipeline:
 
     def _after_fork(self) -> None:
         # The child has no pipeline thread and must not re-export the parent's regions.
+        FORK.generation += 1
         self._init_state()
         for sink in self.sinks:
             after_fork = getattr(sink, "after_fork", None)
@@ -233,11 +401,27 @@ class Pipeline:
 
 PIPELINE = Pipeline()
 
+lost_report: Callable[[], list[str]] | None = None
+"""Set by :mod:`perfsdk.lifecycle`: the lines to print at exit when spans were lost."""
 
-def _at_exit() -> None:
+
+def at_exit() -> None:
+    """Interpreter (or multiprocessing child) exit: shut down within the export timeout (in a
+    child, at most :data:`WORKER_EXIT_BUDGET`), then one stderr line per exporter that lost
+    spans."""
     from perfsdk.config import get_config
 
-    PIPELINE.shutdown(get_config().export_timeout_s)
+    budget = get_config().export_timeout_s
+    if multiprocessing.parent_process() is not None:
+        budget = min(budget, WORKER_EXIT_BUDGET)
+    PIPELINE.shutdown(budget)
+    lines = lost_report() if lost_report is not None else []
+    if lines:
+        try:
+            sys.stderr.write("".join(f"{line}\n" for line in lines))
+            sys.stderr.flush()
+        except (OSError, ValueError):  # a closed stderr at exit: nothing more to do
+            pass
 
 
-atexit.register(_at_exit)
+atexit.register(at_exit)

@@ -26,6 +26,7 @@ from perfsdk import context as _ctx
 from perfsdk import memory as _memory
 from perfsdk import record as _record
 from perfsdk.config import state as _state
+from perfsdk.pipeline import FORK as _FORK
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult
 
@@ -174,7 +175,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     """
 
     __slots__ = (
-        "_attributes", "_mem", "_nvtx", "_range_id", "_rf", "_timed", "_token", "device_ms",
+        "_attributes", "_gen", "_mem", "_nvtx", "_range_id", "_rf", "_timed", "_token",
+        "device_ms",
         "end_event", "entered", "error", "events", "memory", "parent_id", "resolved", "span_id",
         "spec", "start_event", "t0", "t1", "thread_id", "trace_id",
     )
@@ -215,6 +217,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             return self
         if not PIPELINE.started:
             PIPELINE.start()
+        self._gen = _FORK.generation
         if _profiler_enabled():
             rf = _record_function(spec.name)
             rf.__enter__()
@@ -251,6 +254,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         if not self._timed:
             self._close_nvtx()
             return
+        if self._gen != _FORK.generation:
+            self._forget()
+            return
         t1 = _perf_ns()
         start = self.start_event
         end = None
@@ -282,6 +288,22 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             _submit((spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
                      self.thread_id, error, self._attributes, self.events, memory, start, end,
                      None if end is None else self, None))
+
+    def _forget(self) -> None:
+        """Exit of a region entered before a fork, in the child: the region is the parent's (it
+        records it itself), so the child restores its context and closes its markers only."""
+        try:
+            _detach(self._token)
+        except Exception:  # the token belongs to the parent's context: nothing to restore
+            pass
+        self._token = None
+        rf, self._rf = self._rf, None
+        if rf is not None:
+            try:
+                rf.__exit__(None, None, None)
+            except Exception:
+                pass
+        self._close_nvtx()
 
     def _on_oom(self, error: BaseException, memory: Any) -> None:
         """OOM forensics: the allocator's state at the failure onto the span (never raises)."""

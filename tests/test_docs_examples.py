@@ -314,7 +314,8 @@ ENV_END = "<!-- END perfsdk env table -->"
 
 
 def env_var_docs() -> dict[str, str]:
-    """``PERFSDK_*`` constants of perfsdk/config.py and the docstring under each."""
+    """``PERFSDK_*`` and ``OTEL_BSP_*`` constants of perfsdk/config.py and the docstring under
+    each."""
     tree = ast.parse(CONFIG_PY.read_text())
     found: dict[str, str] = {}
     body = tree.body
@@ -326,7 +327,7 @@ def env_var_docs() -> dict[str, str]:
             node.targets[0], ast.Name
         ):
             target = node.targets[0].id
-        if not target or not target.startswith("PERFSDK_"):
+        if not target or not target.startswith(("PERFSDK_", "OTEL_BSP_")):
             continue
         doc = ""
         if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
@@ -344,6 +345,15 @@ def rst_to_markdown(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+OTEL_ARGUMENTS = {
+    "OTEL_BSP_MAX_QUEUE_SIZE": "export_queue_size",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "export_batch_size",
+    "OTEL_BSP_SCHEDULE_DELAY": "export_delay_s",
+    "OTEL_BSP_EXPORT_TIMEOUT": "export_batch_timeout_s",
+}
+"""OpenTelemetry's own variables perfsdk honours, and the configure() argument for each."""
+
+
 def render_env_table() -> str:
     import perfsdk
 
@@ -355,7 +365,8 @@ def render_env_table() -> str:
     ]
     for name, doc in env_var_docs().items():
         stem = name.removeprefix("PERFSDK_").lower()
-        arg = next((p for p in params if p == stem or p.startswith(stem + "_")), None)
+        arg = OTEL_ARGUMENTS.get(name) or next(
+            (p for p in params if p == stem or p.startswith(stem + "_")), None)
         lines.append(f"| `{name}` | {f'`{arg}`' if arg else '-'} | {rst_to_markdown(doc)} |")
     lines.append(ENV_END)
     return "\n".join(lines)
@@ -379,7 +390,7 @@ def write_reference() -> bool:
 def test_every_env_var_constant_is_documented() -> None:
     import perfsdk.config
 
-    constants = {n for n in vars(perfsdk.config) if n.startswith("PERFSDK_")}
+    constants = {n for n in vars(perfsdk.config) if n.startswith(("PERFSDK_", "OTEL_BSP_"))}
     assert constants, "perfsdk.config defines no PERFSDK_* constants?"
     assert constants == set(env_var_docs()), "the ast scan disagrees with the module"
     for name in constants:

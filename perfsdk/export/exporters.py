@@ -1,12 +1,14 @@
-"""OpenTelemetry's exporters, guarded: a failure warns once, is counted, and never reaches the
-program; an unreachable collector is given a rest instead of a retry cycle per batch."""
+"""OpenTelemetry's span exporters by perfsdk's names, and where each one sends.
+
+Failures, backoff and counting are :mod:`perfsdk.export.delivery`'s: an exporter here is built
+on its export thread and called only there."""
 
 from __future__ import annotations
 
-import logging
+import importlib.util
 import os
 import threading
-import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -17,89 +19,12 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, Sp
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
 
-__all__ = ["GuardedExporter", "bounded", "make_exporter", "otlp_exporter"]
-
-_EXPORTER_LOGGERS = (
-    "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.http._common",
-    "opentelemetry.sdk.trace.export",
-    "opentelemetry.sdk._shared_internal",
-)
-
-
-class _Quiet(logging.Filter):
-    """Drops OTel exporter log records on a thread while a guarded export runs there; the guard
-    reports the failure once instead of a retry message per batch."""
-
-    local = threading.local()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(self.local, "depth", 0):
-            self.local.dropped = getattr(self.local, "dropped", 0) + 1
-            return False
-        return True
-
-
-_QUIET = _Quiet()
-for _name in _EXPORTER_LOGGERS:
-    logging.getLogger(_name).addFilter(_QUIET)
-
-
-class GuardedExporter(SpanExporter):
-    """Wraps an OTel exporter: a failure warns once (naming the exporter) and is counted.
-
-    After a failure the exporter rests for ``backoff`` seconds: batches in that window are
-    counted as dropped at once instead of each waiting out the exporter's own retries, so an
-    unreachable collector costs the program neither time nor memory.
-    """
-
-    def __init__(self, inner: SpanExporter, label: str, backoff: float = 30.0) -> None:
-        self.inner = inner
-        self.label = label
-        self.backoff = backoff
-        self.exported = 0
-        self.failed = 0
-        self.dropped = 0
-        self._rest_until = 0.0
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self._rest_until and time.monotonic() < self._rest_until:
-            self.dropped += len(spans)
-            return SpanExportResult.FAILURE
-        local = _Quiet.local
-        local.depth = getattr(local, "depth", 0) + 1
-        try:
-            result = self.inner.export(spans)
-        except Exception as exc:
-            result = SpanExportResult.FAILURE
-            reason = repr(exc)
-        else:
-            reason = "the exporter reported failure"
-        finally:
-            local.depth -= 1
-        if result is SpanExportResult.SUCCESS:
-            self.exported += len(spans)
-            self._rest_until = 0.0
-        else:
-            self.failed += len(spans)
-            self._rest_until = time.monotonic() + self.backoff
-            warn_once(f"export:{self.label}",
-                      f"perfsdk: the {self.label} exporter could not deliver spans ({reason}); "
-                      f"the program continues; spans are dropped for {self.backoff:g} s after "
-                      "each failure and counted in perfsdk.diagnostics().")
-        return result
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return bool(self.inner.force_flush(timeout_millis))
-
+__all__ = ["bounded", "describe", "make_exporter", "otlp_exporter", "otlp_target"]
 
 def otlp_exporter(export_timeout: float = 5.0) -> SpanExporter:
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+    """OpenTelemetry's OTLP span exporter for the configured protocol, its timeout
+    ``export_timeout`` unless ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` is set."""
+    protocol = otlp_protocol()
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -117,24 +42,87 @@ def otlp_exporter(export_timeout: float = 5.0) -> SpanExporter:
     timeout = None
     if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
             or os.environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
-        # OTel's default is 10 s of retries per batch; without the user's own choice, keep
-        # one batch within perfsdk's export bound so exit is never held longer than that.
+        # OTel's default is 10 s of retries per batch; without the user's own choice, keep one
+        # batch within perfsdk's bound (OTEL_BSP_EXPORT_TIMEOUT, else PERFSDK_EXPORT_TIMEOUT).
         timeout = export_timeout
     exporter: SpanExporter = OTLPSpanExporter(timeout=timeout)
     return exporter
 
 
 def make_exporter(name: Any, config: Config) -> SpanExporter:
-    """The exporter for one ``PERFSDK_EXPORTER`` name (or a user's SpanExporter), guarded."""
+    """The exporter for one ``PERFSDK_EXPORTER`` name (or a user's SpanExporter, as it is)."""
     if not isinstance(name, str):
-        return GuardedExporter(name, type(name).__name__)
+        return name  # type: ignore[no-any-return]
     if name == "otlp":
-        return GuardedExporter(otlp_exporter(config.export_timeout_s), "otlp")
+        return otlp_exporter(config.batch_timeout_s)
     if name == "console":
-        return GuardedExporter(ConsoleSpanExporter(), "console")
+        return ConsoleSpanExporter()
     if name == "file":
-        return GuardedExporter(_JsonLinesFile(config.output_dir), "file")
+        return _JsonLinesFile(config.output_dir)
     raise ValueError(f"unknown exporter {name!r}")
+
+
+def describe(name: Any, config: Config) -> str:
+    """Where an exporter sends, for people: a file, stdout, or the exporter's class."""
+    if name == "file":
+        return str(config.output_dir / f"spans-{os.getpid()}.jsonl")
+    if name == "console":
+        return "standard output"
+    return type(name).__name__
+
+
+def otlp_protocol() -> str:
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+
+
+def otlp_target() -> str:
+    """The OTLP endpoint spans go to and the protocol, as OpenTelemetry's exporter resolves them
+    (``http://localhost:4318/v1/traces (http/protobuf)``).
+
+    Raises MissingDependencyError without the OTLP package. A malformed endpoint warns once,
+    naming the variable and the value (every span sent there is then counted as lost)."""
+    protocol = otlp_protocol()
+    package = ("opentelemetry.exporter.otlp.proto.grpc" if protocol == "grpc"
+               else "opentelemetry.exporter.otlp.proto.http")
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except ImportError:  # a parent package is missing
+        found = False
+    if not found:
+        raise MissingDependencyError(
+            "opentelemetry-exporter-otlp", "otlp", "The otlp exporter")
+    variable = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    endpoint = os.environ.get(variable, "").strip()
+    if not endpoint:
+        variable = "OTEL_EXPORTER_OTLP_ENDPOINT"
+        base = os.environ.get(variable, "").strip()
+        if protocol == "grpc":
+            endpoint = base or "http://localhost:4317"
+        else:
+            endpoint = (base or "http://localhost:4318").rstrip("/") + "/v1/traces"
+    problem = _endpoint_problem(endpoint)
+    if problem:
+        warn_once(f"otlp-endpoint:{endpoint}",
+                  f"perfsdk: {variable}={endpoint!r} is not a usable endpoint ({problem}); "
+                  "accepted values are URLs like http://collector:4318 (grpc: "
+                  "http://collector:4317). Spans sent there are counted as lost "
+                  "(export_failed) in perfsdk.diagnostics().")
+    return f"{endpoint} ({protocol})"
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+        port = parts.port
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https") and not (parts.scheme == "" and ":" in endpoint):
+        return f"the scheme {parts.scheme!r} is not http or https"
+    if not parts.hostname:
+        return "no host"
+    del port
+    return None
 
 
 class _JsonLinesFile(ConsoleSpanExporter):

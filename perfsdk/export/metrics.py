@@ -17,14 +17,13 @@ none), ``user`` (instruments from the application's provider; nothing added), ``
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,8 @@ from opentelemetry.sdk.metrics.export import (
 from perfsdk._version import __version__
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
-from perfsdk.export.exporters import _QUIET, _Quiet, bounded
+from perfsdk.export.delivery import CAPTURE, capture_logs
+from perfsdk.export.exporters import bounded
 from perfsdk.export.spans import build_resource
 from perfsdk.record import ATTRS, DEVICE_MS, ERROR, SPEC, SPECS, T0, T1, Record
 
@@ -68,7 +68,7 @@ _GPU_METRICS = (  # (instrument, kind, unit, reading key, description)
 for _name in ("opentelemetry.exporter.otlp.proto.http.metric_exporter",
               "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
               "opentelemetry.sdk.metrics._internal", "opentelemetry.sdk.metrics._internal.export"):
-    logging.getLogger(_name).addFilter(_QUIET)
+    logging.getLogger(_name).addFilter(CAPTURE)
 
 
 def rss_bytes() -> int | None:
@@ -83,16 +83,6 @@ def rss_bytes() -> int | None:
             return None
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    local = _Quiet.local
-    local.depth = getattr(local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        local.depth -= 1
 
 
 class GuardedMetricExporter(MetricExporter):
@@ -111,7 +101,7 @@ class GuardedMetricExporter(MetricExporter):
             return MetricExportResult.SUCCESS
         reason = "it reported failure"
         try:
-            with _quiet():
+            with capture_logs():
                 result = self.inner.export(metrics_data, timeout_millis=timeout_millis)
         except Exception as exc:
             result, reason = MetricExportResult.FAILURE, repr(exc)
@@ -127,7 +117,7 @@ class GuardedMetricExporter(MetricExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         if os.getpid() == self.pid:
-            with _quiet():
+            with capture_logs():
                 self.inner.shutdown(timeout_millis=timeout_millis)
 
 
@@ -276,10 +266,10 @@ class MetricsSink:
         if provider is None:
             provider = MeterProvider(resource=build_resource(self.config), shutdown_on_exit=False)
             if self._global:  # if another thread set one just now, ours stays private
-                with _quiet():
+                with capture_logs():
                     metrics.set_meter_provider(provider)
             self._provider = provider
-        with _quiet():  # a MetricReader instance kept from the last configuration: a no-op
+        with capture_logs():  # a MetricReader instance kept from the last configuration: a no-op
             for reader in readers:
                 provider.add_metric_reader(reader)
         self._use(provider)
@@ -358,8 +348,9 @@ class MetricsSink:
             readers, self._built, self._given, self._mode = self._built + self._given, [], [], None
         _retire(self._provider, readers, timeout)
 
-    def prepare(self) -> None:
-        """Decide where metrics go, on the caller's thread at the first region."""
+    def settle(self) -> None:
+        """Decide where metrics go (building readers and exporters): on the pipeline thread,
+        at its first round, never on the caller's."""
         _ = self.mode
 
     def after_fork(self) -> None:
@@ -383,7 +374,7 @@ def _set_resource(provider: MeterProvider | None, config: Config) -> None:
 def _retire(provider: MeterProvider | None, readers: list[MetricReader], timeout: float) -> None:
     """Shut readers down (a last export each) and detach them from the provider, bounded."""
     def run() -> None:
-        with _quiet():  # the guard has warned about export trouble; OTel would log it again
+        with capture_logs():  # the guard has warned about export trouble; OTel would log it again
             for reader in readers:
                 reader.shutdown(timeout_millis=timeout * 1000)
                 if provider is not None:

@@ -8,28 +8,34 @@ Spans are built in the background from region records, never on the training thr
 * **perfsdk's own pipeline** (``PERFSDK_EXPORTER`` = ``otlp``, ``console``, ``file``): perfsdk
   creates an SDK ``TracerProvider`` with those exporters and installs it globally *only if the
   application has none*, so the user's own spans reach the same backend. Region spans are built
-  directly as ``ReadableSpan`` objects with the ids that were handed out at enter and handed to
-  the exporters from the pipeline thread in chunks, which skips the tracer machinery and a
-  second queue (about 1 us a span instead of about 10).
+  directly as ``ReadableSpan`` objects with the ids that were handed out at enter, on each
+  exporter's own export thread (:mod:`perfsdk.export.delivery`: a bounded queue, batches,
+  backoff, every span counted), which skips the tracer machinery (about 1 us a span instead of
+  about 10).
 * **the application's provider**: if the application installed a TracerProvider, perfsdk uses
-  it through the public tracer API and adds no processor, exporter or resource of its own.
+  it through the public tracer API, from a bounded queue and thread of its own, and adds no
+  processor, exporter or resource.
 
 Exporters come from OpenTelemetry itself: OTLP over gRPC or HTTP/protobuf (chosen by the standard
 ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``, default ``http/protobuf``), console, and a JSON-lines
 file (the console exporter writing to ``<output_dir>/spans-<pid>.jsonl``). A failing exporter
-warns once and counts its failures; exit waits at most ``PERFSDK_EXPORT_TIMEOUT`` seconds.
+warns once (naming the endpoint and the cause), backs off and counts every lost span; exit waits
+at most ``PERFSDK_EXPORT_TIMEOUT`` seconds in all.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind
 
@@ -37,7 +43,8 @@ from perfsdk import clocks
 from perfsdk._version import __version__
 from perfsdk.config import Config
 from perfsdk.errors import warn_once
-from perfsdk.export.exporters import GuardedExporter, bounded, make_exporter, otlp_exporter
+from perfsdk.export.delivery import REASONS, Backoff, Destination
+from perfsdk.export.exporters import bounded, describe, make_exporter, otlp_target
 from perfsdk.export.spans import (
     SAMPLED,
     build_resource,
@@ -47,28 +54,29 @@ from perfsdk.export.spans import (
 )
 from perfsdk.record import ERROR, EVENTS, PARENT, SPAN, SPEC, SPECS, T0, T1, TRACE, Record
 
-__all__ = ["GuardedExporter", "SpanSink", "build_resource", "make_exporter", "region_span"]
+__all__ = ["SpanSink", "build_resource", "make_exporter", "region_span"]
 
 
 class _Fanout(SpanProcessor):
-    """perfsdk's processor on its own provider: forwards the user's spans to our exporters."""
+    """perfsdk's processor on its own provider: the application's spans join the region spans
+    in perfsdk's bounded export queues (counted like them)."""
 
     def __init__(self) -> None:
-        self.processors: list[SpanProcessor] = []
+        self.destinations: list[Destination] = []
 
     def on_start(self, span: Any, parent_context: Context | None = None) -> None:
-        for p in self.processors:
-            p.on_start(span, parent_context)
+        pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        for p in self.processors:
-            p.on_end(span)
+        for destination in self.destinations:
+            destination.offer((span,))
 
     def shutdown(self) -> None:
-        """perfsdk shuts its processors down itself, with a bound."""
+        """perfsdk closes its destinations itself, with a bound."""
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return all(p.force_flush(timeout_millis) for p in self.processors)
+        deadline = time.monotonic() + timeout_millis / 1000
+        return all([d.flush(deadline) for d in self.destinations])
 
 
 class _PresetIds(IdGenerator):
@@ -92,32 +100,60 @@ class _PresetIds(IdGenerator):
         return self.fallback.generate_trace_id() if self.fallback else 1
 
 
+class _ProviderExporter:
+    """The application's provider as a destination: each record becomes a span through its
+    tracer (its sampler, limits and processors apply), on the export thread."""
+
+    def __init__(self, sink: SpanSink) -> None:
+        self.sink = sink
+
+    def export(self, records: Sequence[Any]) -> SpanExportResult:
+        for rec in records:
+            self.sink._through_tracer(rec)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        """The application shuts its provider down itself."""
+
+
 class SpanSink:
-    """Turns resolved regions into spans for perfsdk's own exporters or the user's provider."""
+    """Turns resolved regions into spans for perfsdk's own exporters or the user's provider.
+
+    Each exporter is a :class:`~perfsdk.export.delivery.Destination`: a bounded queue and an
+    export thread of its own, so one slow collector holds back neither the program nor the other
+    exporters. Spans are built on those threads.
+    """
 
     def __init__(self, config: Config) -> None:
         self._lock = threading.Lock()
         self._provider: TracerProvider | None = None
         self._fanout = _Fanout()
+        self.destinations: list[Destination] = []
+        self._retired: dict[str, Any] = _empty_account()
+        self._retired_by: dict[tuple[str, str], dict[str, Any]] = {}
+        self._closing: list[Destination] = []
         self.configure(config)
 
     # -- set-up ----------------------------------------------------------------------------
     def configure(self, config: Config, timeout: float | None = None) -> None:
-        """Adopt a new configuration; perfsdk's previous exporters are flushed and closed."""
+        """Adopt a new configuration; perfsdk's previous exporters get ``timeout`` seconds
+        (default ``export_timeout_s``) to send what they hold, on their own threads."""
         with self._lock:
-            old = list(self._fanout.processors)
+            old = self.destinations
             self.config = config
             self._resource: Resource | None = None
             self._mode: str | None = None
             self._tracer: Any = None
-            self._fanout.processors = []
-            self.exporters: list[GuardedExporter] = []
-        _shutdown_bounded(old, timeout if timeout is not None else config.export_timeout_s)
+            self._fanout.destinations = []
+            self.destinations = []
+        self._close(old, time.monotonic() + (
+            config.export_timeout_s if timeout is None else timeout), wait=False)
 
     def validate(self) -> None:
-        """Raise now (e.g. a missing OTLP package) when the user asked for exporters explicitly."""
+        """Raise now (a missing OTLP package) when the user asked for exporters explicitly;
+        warn about a malformed endpoint. Builds no exporter."""
         if "otlp" in self.config.exporters:
-            otlp_exporter().shutdown()
+            otlp_target()
 
     @property
     def resource(self) -> Resource:
@@ -128,19 +164,22 @@ class SpanSink:
     def _decide(self) -> str:
         current = trace.get_tracer_provider()
         if self._provider is not None and current is self._provider:
-            if not self._fanout.processors:
+            if not self.destinations:
                 self._install_exporters()
-            return "owned" if self._fanout.processors else "off"
+            return "owned" if self.destinations else "off"
         if not isinstance(current, trace.ProxyTracerProvider):
             self._tracer = current.get_tracer("perfsdk", __version__)
             fallback = getattr(self._tracer, "id_generator", None)
             if isinstance(fallback, IdGenerator):
                 self._tracer.id_generator = _PresetIds(fallback)
+            self.destinations = [self._destination(
+                "provider", "the application's TracerProvider", lambda: _ProviderExporter(self),
+                list)]
             return "user"
         if not self.config.exporters:
             return "off"
         self._install_exporters()
-        if not self._fanout.processors:
+        if not self.destinations:
             return "off"
         provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
         provider.add_span_processor(self._fanout)
@@ -148,21 +187,54 @@ class SpanSink:
         if trace.get_tracer_provider() is provider:
             self._provider = provider
             return "owned"
+        self.destinations = []
+        self._fanout.destinations = []
         return self._decide()  # someone else won the race: use theirs
 
+    def _destination(self, label: str, target: str, make: Any, build: Any) -> Destination:
+        config = self.config
+        return Destination(
+            label, target, make, build, queue_size=config.export_queue_size,
+            batch_size=config.export_batch_size, delay=config.export_delay_s,
+            backoff=Backoff(config.export_backoff_min_s, config.export_backoff_max_s))
+
     def _install_exporters(self) -> None:
-        for name in self.config.exporters:
+        """One destination per exporter; the exporters themselves are built on their export
+        threads, never here (this runs on the caller's thread at the first region)."""
+        config = self.config
+        for name in config.exporters:
             if not isinstance(name, (str, SpanExporter)):
                 continue  # a metric exporter or reader: perfsdk.export.metrics takes it
-            try:
-                exporter = make_exporter(name, self.config)
-            except Exception as exc:
-                warn_once(f"exporter:{name}", f"perfsdk: cannot use the {name} exporter: {exc}")
-                continue
-            self.exporters.append(exporter)  # type: ignore[arg-type]
-            # For the application's own spans on perfsdk's provider; region spans skip it.
-            self._fanout.processors.append(
-                BatchSpanProcessor(exporter, schedule_delay_millis=1000))
+            if name == "otlp":
+                try:
+                    target = otlp_target()
+                except Exception as exc:
+                    warn_once("exporter:otlp", f"perfsdk: cannot use the otlp exporter: {exc}")
+                    continue
+            else:
+                target = describe(name, config)
+            label = name if isinstance(name, str) else type(name).__name__
+            self.destinations.append(self._destination(
+                label, target, functools.partial(make_exporter, name, config), self._spans))
+        # The application's own spans on perfsdk's provider go to the same destinations.
+        self._fanout.destinations = list(self.destinations)
+
+    def _spans(self, items: list[Any]) -> list[ReadableSpan]:
+        """Region records (tuples) become spans; the application's spans pass as they are."""
+        resource = self.resource
+        return [region_span(it, resource) if type(it) is tuple else it for it in items]
+
+    @property
+    def decided(self) -> str | None:
+        """The mode if decided yet, else None (never decides)."""
+        return self._mode
+
+    def overflowed(self, count: int) -> None:
+        """Regions the pipeline could not queue: their spans are counted as lost while spans
+        are being exported."""
+        if self._mode in ("owned", "user") and self.destinations:
+            for destination in self.destinations:
+                destination.count_lost(count, "queue_full")
 
     @property
     def mode(self) -> str:
@@ -174,16 +246,9 @@ class SpanSink:
 
     # -- the sink --------------------------------------------------------------------------
     def consume(self, records: list[Record]) -> None:
-        mode = self.mode
-        if mode == "owned":
-            # The pipeline thread already batches: export directly, no second queue.
-            resource = self.resource
-            spans = [region_span(rec, resource) for rec in records]
-            for exporter in self.exporters:
-                exporter.export(spans)
-        elif mode == "user":
-            for rec in records:
-                self._through_tracer(rec)
+        if self.mode != "off":
+            for destination in self.destinations:
+                destination.offer(records)
 
     def _through_tracer(self, rec: Record) -> None:
         tracer = self._tracer
@@ -207,49 +272,142 @@ class SpanSink:
         span.end(end_time=clocks.epoch_ns(rec[T1]))
 
     def flush(self, timeout: float) -> None:
-        if self._mode == "owned":
-            bounded(lambda: self._fanout.force_flush(int(timeout * 1000)), timeout, "flush")
-        elif self._mode == "user":
+        deadline = time.monotonic() + timeout
+        for destination in list(self.destinations):
+            destination.flush(deadline)
+        if self._mode == "user":
             flush = getattr(trace.get_tracer_provider(), "force_flush", None)
-            if flush is not None:
-                bounded(lambda: flush(int(timeout * 1000)), timeout, "flush")
+            left = deadline - time.monotonic()
+            if flush is not None and left > 0:
+                bounded(lambda: flush(int(left * 1000)), left, "flush")
 
     def shutdown(self, timeout: float) -> None:
-        if self._mode == "user":
-            self.flush(timeout)  # the application owns its provider and shuts it down itself
+        with self._lock:
+            old, self.destinations = self.destinations, []
+            self._fanout.destinations = []
+            user = self._mode == "user"
+            self._mode = None
+        deadline = time.monotonic() + timeout
+        self._close(old, deadline)
+        if user:  # the application owns its provider and shuts it down itself: flush only
+            flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+            left = deadline - time.monotonic()
+            if flush is not None and left > 0:
+                bounded(lambda: flush(int(left * 1000)), left, "flush")
+
+    def _close(self, destinations: list[Destination], deadline: float, *,
+               wait: bool = True) -> None:
+        """Close ``destinations`` together (one deadline) and keep their account; without
+        ``wait``, on a thread of their own (a reconfiguration must not hold the caller)."""
+        if not destinations:
             return
         with self._lock:
-            processors, self._fanout.processors = list(self._fanout.processors), []
-            self._mode = None
-        _shutdown_bounded(processors, timeout)
+            self._closing.extend(destinations)
+
+        def close_all() -> None:
+            threads = [threading.Thread(target=d.close, args=(deadline,), daemon=True,
+                                        name=f"perfsdk-close-{d.label}") for d in destinations[1:]]
+            for thread in threads:
+                thread.start()
+            destinations[0].close(deadline)  # here: at exit, threads started now may fail
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                for destination in destinations:
+                    stats = destination.stats()
+                    _add_account(self._retired, stats)
+                    key = (destination.label, destination.target)
+                    self._retired_by[key] = _merged(self._retired_by.get(key), stats)
+                    self._closing.remove(destination)
+
+        if wait:
+            close_all()
+        else:
+            threading.Thread(target=close_all, name="perfsdk-close", daemon=True).start()
 
     def prepare(self) -> None:
         """Decide where spans go, on the caller's thread at the first region: an owned provider
-        must be in place before the user opens spans inside that region, and exporters must
-        not first be built during interpreter exit."""
-        _ = self.mode
+        must be in place before the user opens spans inside that region. Cheap: each exporter's
+        thread starts here and builds its exporter there (early: some exporters cannot be built
+        once the interpreter is shutting down)."""
+        if self.mode != "off":
+            for destination in list(self.destinations):
+                destination.start()
+
+    def wait_ready(self, deadline: float) -> None:
+        """Wait (until ``deadline``, monotonic) for the exporters being built on their threads."""
+        for destination in list(self.destinations):
+            destination.wait_built(deadline)
 
     def after_fork(self) -> None:
-        """In a forked child: new exporters (own file, own connections) and resource (own pid),
-        made on first use; the parent's are left alone."""
+        """In a forked child: new destinations (own file, own connections, own account) and
+        resource (own pid), made on first use; the parent's are left alone. What the parent
+        knew about a failing collector carries over."""
         self._lock = threading.Lock()
         self._resource = None
-        self._mode = None
-        self._fanout.processors = []
-        self.exporters = []
+        for destination in self.destinations:
+            destination.after_fork()
+        self._retired = _empty_account()
+        self._retired_by = {}
+        self._closing = []
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """The span account over every destination, past and present."""
+        total = _empty_account()
+        with self._lock:
+            _add_account(total, self._retired)
+            live = self.destinations + self._closing
+        per: dict[str, Any] = {}
+        for destination in live:
+            stats = destination.stats()
+            _add_account(total, stats)
+            per[destination.label] = stats
+        lost = total["lost"]
         return {
-            "spans_exported": sum(e.exported for e in self.exporters),
-            "spans_failed": sum(e.failed for e in self.exporters),
-            "spans_dropped": sum(e.dropped for e in self.exporters),
+            "spans_produced": total["produced"],
+            "spans_exported": total["exported"],
+            "spans_lost": lost,
+            "spans_pending": total["pending"],
+            "spans_failed": lost["export_failed"] + lost["export_timeout"],
+            "spans_dropped": lost["queue_full"] + lost["backing_off"] + lost["shutdown"],
+            "exporters": per,
         }
 
+    def lost_lines(self) -> list[str]:
+        """One line per exporter that lost spans: how many of how many, why, and to where."""
+        with self._lock:
+            accounts = dict(self._retired_by)
+            live = self.destinations + self._closing
+        for destination in live:
+            key = (destination.label, destination.target)
+            accounts[key] = _merged(accounts.get(key), destination.stats())
+        lines = []
+        for (label, target), stats in accounts.items():
+            lost = {k: v for k, v in stats["lost"].items() if v}
+            if lost:
+                why = ", ".join(f"{k} {v:,}" for k, v in lost.items())
+                cause = f"; last cause: {stats['last_cause']}" if stats["last_cause"] else ""
+                lines.append(f"perfsdk: {sum(lost.values()):,} of {stats['produced']:,} spans "
+                             f"were not exported by the {label} exporter to {target} "
+                             f"({why}{cause}); see perfsdk.diagnostics().")
+        return lines
 
-def _shutdown_bounded(processors: list[SpanProcessor], timeout: float) -> None:
-    if processors:
-        def shut() -> None:
-            for processor in processors:
-                processor.shutdown()
 
-        bounded(shut, timeout, "shutdown")
+def _empty_account() -> dict[str, Any]:
+    return {"produced": 0, "exported": 0, "pending": 0, "lost": dict.fromkeys(REASONS, 0)}
+
+
+def _merged(old: dict[str, Any] | None, stats: dict[str, Any]) -> dict[str, Any]:
+    out = _empty_account()
+    out["last_cause"] = stats.get("last_cause") or (old or {}).get("last_cause")
+    if old is not None:
+        _add_account(out, old)
+    _add_account(out, stats)
+    return out
+
+
+def _add_account(total: dict[str, Any], stats: dict[str, Any]) -> None:
+    for key in ("produced", "exported", "pending"):
+        total[key] += stats[key]
+    for reason, n in stats["lost"].items():
+        total["lost"][reason] += n

@@ -72,6 +72,12 @@ class _Series:
                 self.samples[slot] = value
 
 
+    def add_unsampled(self, count: int, total: float) -> None:
+        """Calls that count in ``count`` and ``total`` but left no sample for percentiles."""
+        self.count += count
+        self.total += total
+
+
 class _Acc:
     __slots__ = ("device", "errors", "host", "syncs")
 
@@ -185,6 +191,19 @@ class SummarySink:
                 attrs = rec[ATTRS]
                 if attrs and "perfsdk.syncs" in attrs:
                     acc.syncs += int(attrs["perfsdk.syncs"])
+
+    def tally(self, overflow: dict[int, list[int]]) -> None:
+        """Regions the pipeline could not queue (``{spec index: [calls, host ns, errors]}``):
+        their count, total and errors still reach the table (percentiles are of the rest)."""
+        specs = SPECS
+        with self._lock:
+            for index, (calls, host_ns, errors) in overflow.items():
+                name = specs[index].name
+                acc = self._acc.get(name)
+                if acc is None:
+                    acc = self._acc[name] = _Acc()
+                acc.host.add_unsampled(calls, host_ns / 1e6)
+                acc.errors += errors
 
     def flush(self, timeout: float) -> None:
         pass

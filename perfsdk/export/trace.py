@@ -3,8 +3,9 @@ in ui.perfetto.dev, chrome://tracing and the Chrome DevTools Performance panel.
 
 With ``PERFSDK_EXPORTER=trace`` (or ``configure(exporter="trace")``) :class:`TraceSink` keeps the
 regions in memory (at most ``max_events``; the rest are counted, never silently lost) and writes
-``<output_dir>/trace-<pid>.json`` completely at each :func:`perfsdk.flush` and at shutdown,
-through a temporary file and ``os.replace``: whoever opens the file sees the previous or the new
+``<output_dir>/trace-<pid>.json`` completely at each :func:`perfsdk.flush` and at shutdown, on
+a writer thread of its own (the caller only waits, at most the flush timeout), through a
+temporary file and ``os.replace``: whoever opens the file sees the previous or the new
 trace, never half of one. :func:`write_trace` writes the same file from ``RegionResult`` s.
 
 The file:
@@ -61,8 +62,9 @@ from perfsdk.record import (
 
 __all__ = ["MAX_EVENTS", "TraceSink", "write_trace"]
 
-MAX_EVENTS = 1_000_000
-"""Regions a :class:`TraceSink` keeps by default (about 300 bytes each in memory)."""
+MAX_EVENTS = 250_000
+"""Regions a :class:`TraceSink` keeps by default (about 300 bytes each in memory); the
+``PERFSDK_TRACE_MAX_REGIONS`` setting."""
 
 _LANE_STRIDE = 1 << 22
 """Added to a thread's id per overlap lane (Linux thread ids stay below 2**22)."""
@@ -117,14 +119,23 @@ def write_trace(path: str | os.PathLike[str], regions: Iterable[RegionResult]) -
 
 
 class TraceSink:
-    """A pipeline sink that writes the trace file when the ``trace`` exporter is on."""
+    """A pipeline sink that writes the trace file when the ``trace`` exporter is on.
 
-    def __init__(self, config: Config, *, max_events: int = MAX_EVENTS) -> None:
-        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
+    Regions are kept in memory (at most ``max_events``, default ``PERFSDK_TRACE_MAX_REGIONS``;
+    the rest counted); the file is rendered and written on a writer thread of its own, never on
+    the caller's or the pipeline's, when :meth:`flush` or :meth:`shutdown` asks (each waits at
+    most its timeout).
+    """
+
+    def __init__(self, config: Config, *, max_events: int | None = None) -> None:
+        if max_events is not None and (isinstance(max_events, bool) or
+                                       not isinstance(max_events, int) or max_events < 1):
             raise ValueError(f"TraceSink(max_events={max_events!r}): accepted values are "
                              "integers >= 1")
-        self.max_events = max_events
+        self._fixed_max = max_events
+        self.max_events = max_events or config.trace_max_regions
         self._write_lock = threading.Lock()
+        self._writer_state()
         self._reset()
         self.output_dir: Path | None = None
         self.configure(config)
@@ -136,6 +147,13 @@ class TraceSink:
         self.dropped = 0
         self._dirty = False
 
+    def _writer_state(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._requested = 0
+        self._done = 0
+        self._jobs: list[tuple[Path, list[_Event], dict[int, tuple[int, str]], int]] = []
+        self._writer: threading.Thread | None = None
+
     @property
     def path(self) -> Path | None:
         """This process's trace file, or None while the ``trace`` exporter is off."""
@@ -143,12 +161,17 @@ class TraceSink:
         return None if out is None else out / f"trace-{os.getpid()}.json"
 
     def configure(self, config: Config, timeout: float | None = None) -> None:
-        """Turn the file on or off, or move it: what was collected goes to the old file first."""
+        """Turn the file on or off, or move it: what was collected goes to the old file first
+        (written on the writer thread)."""
+        if self._fixed_max is None:
+            self.max_events = config.trace_max_regions
         new_dir = config.output_dir if "trace" in config.exporters else None
         if new_dir == self.output_dir:
             return
-        self._write()
         with self._lock:
+            path = self.path
+            if path is not None and self._dirty:
+                self._request((path, self._events, self._threads, self.dropped))
             self._events, self._threads, self.dropped, self._dirty = [], {}, 0, False
             self.output_dir = new_dir
 
@@ -171,8 +194,8 @@ class TraceSink:
                 self.dropped += lost
                 self._dirty = True
             warn_once("trace-cap", f"perfsdk: the trace file holds at most {self.max_events:,} "
-                      f"regions; later ones are counted (otherData 'perfsdk.dropped_regions' in "
-                      f"{self.path}) but not written.")
+                      f"regions (PERFSDK_TRACE_MAX_REGIONS); later ones are counted (otherData "
+                      f"'perfsdk.dropped_regions' in {self.path}) but not written.")
 
     def _see_threads(self, idents: set[int]) -> None:
         missing = idents.difference(self._threads)
@@ -180,34 +203,74 @@ class TraceSink:
             self._threads.update(_threads(missing, self._threads))
 
     def flush(self, timeout: float) -> None:
-        self._write()
+        self._wait(self._request(), timeout)
 
     def shutdown(self, timeout: float) -> None:
-        self._write()
+        self._wait(self._request(), timeout)
 
     def after_fork(self) -> None:
         """A forked child writes its own file (its own pid) with its own regions only."""
         self._write_lock = threading.Lock()
+        self._writer_state()
         self._reset()
 
     def stats(self) -> dict[str, int]:
         return {"trace_regions": len(self._events), "trace_regions_dropped": self.dropped}
 
+    # -- the writer thread -------------------------------------------------------------------
+    def _request(self, job: Any = None) -> int:
+        """Ask the writer thread for a write (of ``job``, else of the current file)."""
+        with self._cond:
+            if job is not None:
+                self._jobs.append(job)
+            self._requested += 1
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="perfsdk-trace-writer",
+                                                daemon=True)
+                self._writer.start()
+            self._cond.notify_all()
+            return self._requested
+
+    def _wait(self, ticket: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done >= ticket, max(timeout, 0.0))
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._requested > self._done)
+                target, jobs, self._jobs = self._requested, self._jobs, []
+            if os.getpid() != pid:
+                return
+            for path, events, threads, dropped in jobs:
+                self._write_file(path, events, threads, dropped)
+            self._write()
+            with self._cond:
+                self._done = target
+                self._cond.notify_all()
+
     def _write(self) -> None:
-        with self._write_lock:
+        with self._lock:
+            path = self.path
+            if path is None or not self._dirty:
+                return
+            events, threads, dropped = list(self._events), dict(self._threads), self.dropped
+            self._dirty = False
+        if not self._write_file(path, events, threads, dropped):
             with self._lock:
-                path = self.path
-                if path is None or not self._dirty:
-                    return
-                events, threads, dropped = list(self._events), dict(self._threads), self.dropped
-                self._dirty = False
+                self._dirty = True
+
+    def _write_file(self, path: Path, events: list[_Event],
+                    threads: Mapping[int, tuple[int, str]], dropped: int) -> bool:
+        with self._write_lock:
             try:
                 _atomic_write(path, render(events, threads, dropped))
             except Exception as exc:  # never break the program: warn once, try again next flush
-                with self._lock:
-                    self._dirty = True
                 warn_once("trace-write", f"perfsdk: could not write the trace file {path} "
                           f"({exc!r}); check PERFSDK_OUTPUT_DIR.")
+                return False
+            return True
 
 
 # -- building events ---------------------------------------------------------------------------

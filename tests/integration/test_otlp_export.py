@@ -8,6 +8,7 @@ receiver stores a request before it answers), so the tests read ``receiver.spans
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from tests.integration._scripts.harness import (
 )
 from tests.otlp_receiver import OTLPProtocol, OTLPReceiver, unused_port
 
-WARNING_PREFIX = "perfsdk: the otlp exporter could not deliver spans"
+WARNING_PREFIX = "perfsdk: the otlp exporter could not deliver"
+SPAN_WARNING = re.compile(r"perfsdk: the otlp exporter could not deliver [\d,]+ spans to ")
 # Span times are the region's perf_counter readings mapped through one (time_ns, perf_counter_ns)
 # anchor; the script's window comes from time_ns. The two clocks may drift apart by NTP slewing
 # (<= 0.5 ms/s); an epoch-confused or unanchored timestamp is off by far more than this.
@@ -276,7 +278,7 @@ def test_unreachable_collector(protocol: OTLPProtocol, tmp_path: Path) -> None:
     assert run.wall_s < 15, f"took {run.wall_s:.1f} s"
     assert run.result["flush_s"] < 2 + 1.5  # flush waits at most PERFSDK_EXPORT_TIMEOUT
     # One clear warning; OpenTelemetry's per-batch retry messages do not reach the user.
-    assert run.stderr.count(WARNING_PREFIX) == 1, run.stderr
+    assert len(SPAN_WARNING.findall(run.stderr)) == 1, run.stderr
     lines = run.stderr.lower().splitlines()
     flood = ("transient error", "retry", "retrying", "failed to export")
     assert not [line for line in lines if any(word in line for word in flood)], run.stderr
@@ -285,3 +287,18 @@ def test_unreachable_collector(protocol: OTLPProtocol, tmp_path: Path) -> None:
     diagnostics = run.result["diagnostics"]
     assert diagnostics["spans_exported"] == 0
     assert diagnostics["spans_failed"] > 0
+    # Every span is accounted for: lost with a reason, or still queued when the result was
+    # written; the warning and the exit line name the endpoint, the protocol and the cause.
+    lost = diagnostics["spans_lost"]
+    assert sum(lost.values()) + diagnostics["spans_pending"] == diagnostics["spans_produced"]
+    assert 0 < diagnostics["spans_produced"] <= 500  # some may still be in the pipeline
+    endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    cause = "gRPC UNAVAILABLE" if protocol == "grpc" else "connection refused"
+    assert f"to {endpoint}" in run.stderr, run.stderr
+    assert cause in run.stderr, run.stderr
+    exit_line = [line for line in run.stderr.splitlines() if "spans were not exported" in line]
+    assert len(exit_line) == 1, run.stderr
+    # At exit, all 500 (250 train_step + 250 inner) are produced and every one is lost.
+    assert exit_line[0].startswith("perfsdk: 500 of 500 spans were not exported by the otlp "
+                                   f"exporter to {endpoint}"), exit_line
+    assert f"last cause: {cause}" in exit_line[0]

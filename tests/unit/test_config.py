@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -92,12 +95,29 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
         ("PERFSDK_EXPORTER", "jaeger", "exporters", "otlp, console, file, none"),
         ("PERFSDK_EXPORTER", ",", "exporters", "otlp, console, file, none"),
         ("PERFSDK_EXPORTER", "none,otlp", "exporters", "'none' cannot be combined"),
-        ("PERFSDK_SAMPLE_EVERY", "0", "sample_every", "integers >= 1"),
-        ("PERFSDK_SAMPLE_EVERY", "2.5", "sample_every", "integers >= 1"),
+        ("PERFSDK_SAMPLE_EVERY", "0", "sample_every", "integers from 1 to"),
+        ("PERFSDK_SAMPLE_EVERY", "2.5", "sample_every", "integers from 1 to"),
         ("PERFSDK_NVTX", "2", "nvtx", "1/0, true/false"),
         ("PERFSDK_SYNC_GUARD", "strict", "sync_guard", "'off', 'count', 'warn', 'error'"),
         ("PERFSDK_EXPORT_TIMEOUT", "-1", "export_timeout_s", "seconds > 0"),
         ("PERFSDK_EXPORT_TIMEOUT", "soon", "export_timeout_s", "seconds > 0"),
+        # Outside a sane range: inf, nan, more than a day, negative (issue 13).
+        ("PERFSDK_EXPORT_TIMEOUT", "inf", "export_timeout_s", "<= 86400 (a day)"),
+        ("PERFSDK_EXPORT_TIMEOUT", "nan", "export_timeout_s", "<= 86400 (a day)"),
+        ("PERFSDK_EXPORT_TIMEOUT", "1e12", "export_timeout_s", "<= 86400 (a day)"),
+        ("PERFSDK_GPU_SAMPLE_INTERVAL", "inf", "gpu_sample_interval_s", "to 86400 (a day)"),
+        ("PERFSDK_GPU_SAMPLE_INTERVAL", "-0.1", "gpu_sample_interval_s", "from 0 (off)"),
+        ("PERFSDK_SAMPLE_EVERY", "1e12", "sample_every", "integers from 1 to"),
+        ("PERFSDK_EXPORT_BACKOFF_MIN", "inf", "export_backoff_min_s", "<= 86400 (a day)"),
+        ("PERFSDK_EXPORT_BACKOFF_MAX", "0", "export_backoff_max_s", "seconds > 0"),
+        ("PERFSDK_TRACE_MAX_REGIONS", "-5", "trace_max_regions", "integers from 1 to"),
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "0", "export_queue_size", "integers from 1 to 1,000,000"),
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "nan", "export_queue_size", "integers from 1 to 1,000,000"),
+        ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "-1", "export_batch_size", "integers from 1 to"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "inf", "export_delay_s", "milliseconds from 0 to 86400000"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "-5", "export_delay_s", "milliseconds from 0 to 86400000"),
+        ("OTEL_BSP_EXPORT_TIMEOUT", "0", "export_batch_timeout_s", "milliseconds > 0"),
+        ("OTEL_BSP_EXPORT_TIMEOUT", "1e99", "export_batch_timeout_s", "milliseconds > 0"),
     ],
 )
 def test_bad_environment_value_warns_once_and_falls_back(variable, raw, field, accepted):
@@ -223,16 +243,35 @@ def test_reset_from_env_forgets_configure(monkeypatch):
         ({"exporter": ["otlp", "zipkin"]}, "exporter", "otlp, console, file, none"),
         ({"exporter": ""}, "exporter", "otlp, console, file, none"),
         ({"exporter": "none,console"}, "exporter", "'none' cannot be combined"),
-        ({"sample_every": 0}, "sample_every", "integers >= 1"),
+        ({"sample_every": 0}, "sample_every", "integers from 1 to"),
         ({"sync_guard": "loud"}, "sync_guard", "'off', 'count', 'warn', 'error'"),
-        ({"sample_every": -3}, "sample_every", "integers >= 1"),
-        ({"sample_every": True}, "sample_every", "integers >= 1"),
-        ({"sample_every": "many"}, "sample_every", "integers >= 1"),
+        ({"sample_every": -3}, "sample_every", "integers from 1 to"),
+        ({"sample_every": True}, "sample_every", "integers from 1 to"),
+        ({"sample_every": "many"}, "sample_every", "integers from 1 to"),
         ({"service_name": ""}, "service_name", "non-empty strings"),
         ({"service_name": 42}, "service_name", "non-empty strings"),
         ({"export_timeout_s": 0}, "export_timeout_s", "seconds > 0"),
         ({"export_timeout_s": False}, "export_timeout_s", "seconds > 0"),
         ({"export_timeout_s": "x"}, "export_timeout_s", "seconds > 0"),
+        ({"export_timeout_s": float("inf")}, "export_timeout_s", "<= 86400 (a day)"),
+        ({"export_timeout_s": float("nan")}, "export_timeout_s", "<= 86400 (a day)"),
+        ({"export_timeout_s": 1e12}, "export_timeout_s", "<= 86400 (a day)"),
+        ({"export_timeout_s": -1}, "export_timeout_s", "seconds > 0"),
+        ({"gpu_sample_interval_s": float("inf")}, "gpu_sample_interval_s", "86400 (a day)"),
+        ({"export_queue_size": 0}, "export_queue_size", "integers from 1 to 1,000,000"),
+        ({"export_queue_size": 2.5}, "export_queue_size", "integers from 1 to 1,000,000"),
+        ({"export_batch_size": 10**7}, "export_batch_size", "integers from 1 to 1,000,000"),
+        ({"export_delay_s": -1}, "export_delay_s", "seconds from 0 to 86400"),
+        ({"export_batch_timeout_s": float("inf")}, "export_batch_timeout_s", "<= 86400"),
+        ({"export_backoff_min_s": 0}, "export_backoff_min_s", "seconds > 0"),
+        ({"export_backoff_max_s": float("nan")}, "export_backoff_max_s", "<= 86400"),
+        ({"trace_max_regions": 0}, "trace_max_regions", "integers from 1 to"),
+        # Settings that must agree: a batch larger than the queue, a maximum rest below the
+        # minimum.
+        ({"export_queue_size": 100, "export_batch_size": 200}, "export_batch_size",
+         "batch sizes from 1 to the queue size"),
+        ({"export_backoff_min_s": 5, "export_backoff_max_s": 1}, "export_backoff_max_s",
+         "a maximum >= the minimum"),
     ],
 )
 def test_bad_configure_argument_raises_naming_it(kwargs, argument, accepted):
@@ -242,6 +281,43 @@ def test_bad_configure_argument_raises_naming_it(kwargs, argument, accepted):
     assert accepted in str(info.value)
     assert f"{argument}=" in str(info.value)
     assert get_config() is before  # nothing changed
+
+
+def test_batch_queue_and_delay_from_the_otel_bsp_variables():
+    config = Config.from_env({"OTEL_BSP_MAX_QUEUE_SIZE": "100", "OTEL_BSP_SCHEDULE_DELAY": "250",
+                              "OTEL_BSP_EXPORT_TIMEOUT": "1500",
+                              "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "40"})
+    assert (config.export_queue_size, config.export_batch_size) == (100, 40)
+    assert config.export_delay_s == 0.25
+    assert config.batch_timeout_s == 1.5
+    assert Config.from_env({}).batch_timeout_s == Config().export_timeout_s
+
+
+def test_queue_smaller_than_the_default_batch_clamps_the_batch():
+    assert Config.from_env({"OTEL_BSP_MAX_QUEUE_SIZE": "100"}).export_batch_size == 100
+    assert configure(export_queue_size=64).export_batch_size == 64
+    with pytest.warns(PerfSDKWarning, match="OTEL_BSP_MAX_EXPORT_BATCH_SIZE=500 is larger"):
+        config = Config.from_env({"OTEL_BSP_MAX_QUEUE_SIZE": "100",
+                                  "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "500"})
+    assert config.export_batch_size == 100
+
+
+def test_bad_values_never_reach_flush_or_exit(tmp_path):
+    """PERFSDK_EXPORT_TIMEOUT=inf used to raise OverflowError from flush() and at exit."""
+    script = tmp_path / "app.py"
+    script.write_text(
+        "import perfsdk\n"
+        "with perfsdk.timed_region('work'):\n    pass\n"
+        "perfsdk.flush()\n"
+        "print('ok', perfsdk.get_config().export_timeout_s)\n")
+    env = {**os.environ, "PERFSDK_EXPORT_TIMEOUT": "inf", "OTEL_BSP_SCHEDULE_DELAY": "nan"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok", "5.0"]
+    assert "PERFSDK_EXPORT_TIMEOUT='inf'" in done.stderr
+    assert "OTEL_BSP_SCHEDULE_DELAY='nan'" in done.stderr
+    assert "OverflowError" not in done.stderr
 
 
 def test_configure_is_keyword_only():
@@ -260,7 +336,11 @@ def test_every_variable_is_a_documented_constant():
         "PERFSDK_ENABLED", "PERFSDK_EXPORTER", "PERFSDK_OUTPUT_DIR", "PERFSDK_SAMPLE_EVERY",
         "PERFSDK_NVTX", "PERFSDK_SERVICE_NAME", "PERFSDK_EXPORT_TIMEOUT", "PERFSDK_TIMING",
         "PERFSDK_MEMORY", "PERFSDK_MEMORY_SNAPSHOTS", "PERFSDK_GPU_SAMPLE_INTERVAL",
-        "PERFSDK_SYNC_GUARD",
+        "PERFSDK_SYNC_GUARD", "PERFSDK_EXPORT_BACKOFF_MIN", "PERFSDK_EXPORT_BACKOFF_MAX",
+        "PERFSDK_TRACE_MAX_REGIONS",
     ])
+    otel = [n for n in config.__all__ if n.startswith("OTEL_")]
+    assert sorted(otel) == ["OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+                            "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_SCHEDULE_DELAY"]
     for name in names:
         assert getattr(config, name) == name

@@ -199,7 +199,7 @@ def test_no_device_histogram_without_device_time(sink: MetricsSink,
 def test_process_memory_usage_is_the_current_rss(sink: MetricsSink,
                                                  reader: InMemoryMetricReader):
     """Current RSS, not the peak: it rises with a buffer and falls when the buffer is freed."""
-    sink.prepare()
+    sink.settle()
 
     def rss() -> int:
         (point,) = points(reader)["process.memory.usage"]
@@ -240,7 +240,7 @@ def test_gpu_instruments_report_the_readings(reader: InMemoryMetricReader):
         return GPU
 
     sink = MetricsSink(Config(exporters=(reader,)), gpu_readings=readings, global_provider=False)
-    sink.prepare()
+    sink.settle()
     found = points(reader)
     gpu0, gpu1 = (("hw.id", "0"), ("hw.type", "gpu")), (("hw.id", "1"), ("hw.type", "gpu"))
     values = {name: {k: p.value for k, p in by_attrs(found[name]).items()} for name in
@@ -440,4 +440,4 @@ def test_span_sink_leaves_metric_exporters_alone():
 
     spans = SpanSink(Config(exporters=(ConsoleMetricExporter(),)))
     spans._install_exporters()  # what its first region does, without a global provider
-    assert spans.exporters == []
+    assert spans.destinations == []
