@@ -52,6 +52,7 @@ __all__ = [
     "ReceivedSpan",
     "decode_any_value",
     "decode_attributes",
+    "BlackHole",
     "decode_spans",
     "unused_port",
 ]
@@ -190,7 +191,12 @@ class _TraceServicer(trace_service_pb2_grpc.TraceServiceServicer):
         self, request: ExportTraceServiceRequest, context: grpc.ServicerContext
     ) -> ExportTraceServiceResponse:
         metadata = {str(k): str(v) for k, v in context.invocation_metadata()}
-        self._receiver._record_traces(request, metadata)
+        receiver = self._receiver
+        if receiver.reject is not None:
+            receiver._count_rejected()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rejected ({receiver.reject})")
+        receiver._record_traces(request, metadata)
+        receiver._linger()
         return ExportTraceServiceResponse()
 
 
@@ -294,7 +300,12 @@ class _OTLPHTTPHandler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.BAD_REQUEST, f"bad protobuf: {exc}".encode(), "text/plain")
             return
         if trace_request is not None:
+            if receiver.reject is not None:
+                receiver._count_rejected()
+                self._reply(HTTPStatus(receiver.reject), b"rejected", "text/plain")
+                return
             receiver._record_traces(trace_request, headers)
+            receiver._linger()
             response = ExportTraceServiceResponse().SerializeToString()
         else:
             assert metrics_request is not None
@@ -319,9 +330,18 @@ class OTLPReceiver:
     * ``base_endpoint`` - ``http://127.0.0.1:PORT``, for
       ``OTEL_EXPORTER_OTLP_ENDPOINT``.
     * ``port``.
+
+    Faults, settable at any time (a collector that is slow, down, or comes back):
+
+    * ``delay_s`` - each trace request is recorded (accepted), then answered only after this
+      many seconds (a slow collector; answered late, after a client's timeout, the spans were
+      still received). Stopping the receiver cuts the wait short.
+    * ``reject`` - an HTTP status (e.g. 503; gRPC answers UNAVAILABLE): trace requests are
+      refused and not recorded; ``rejected`` counts them. ``None`` accepts again.
     """
 
-    def __init__(self, protocol: OTLPProtocol = "grpc") -> None:
+    def __init__(self, protocol: OTLPProtocol = "grpc", *, delay_s: float = 0.0,
+                 reject: int | None = None) -> None:
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
         self.protocol: OTLPProtocol = protocol
@@ -335,6 +355,19 @@ class OTLPReceiver:
         self._grpc_executor: futures.ThreadPoolExecutor | None = None
         self._http_server: _HTTPServer | None = None
         self._http_thread: threading.Thread | None = None
+        self.delay_s = delay_s
+        self.reject = reject
+        self.rejected = 0
+        self._stopped = threading.Event()
+
+    def _linger(self) -> None:
+        if self.delay_s > 0:
+            self._stopped.wait(self.delay_s)
+
+    def _count_rejected(self) -> None:
+        with self._cond:
+            self.rejected += 1
+            self._cond.notify_all()
 
     # -- lifecycle --------------------------------------------------------- #
 
@@ -394,6 +427,7 @@ class OTLPReceiver:
 
     def stop(self) -> None:
         """Stop the server; bounded to a few seconds, safe to call twice."""
+        self._stopped.set()
         grpc_server, self._grpc_server = self._grpc_server, None
         if grpc_server is not None:
             grpc_server.stop(grace=1).wait(5)
@@ -521,3 +555,50 @@ class OTLPReceiver:
                 f"all names: {[s.name for s in self.spans()]}"
             )
         return matches[0]
+
+
+class BlackHole:
+    """A "collector" on 127.0.0.1 that accepts connections, reads what is sent and never
+    answers: the worst case for an exporter (only its own timeout ends a request). A context
+    manager; ``endpoint`` is ``http://127.0.0.1:PORT``; everything stops on exit."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((_HOST, 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.05)
+        self.port = int(self._sock.getsockname()[1])
+        self.endpoint = f"http://{_HOST}:{self.port}"
+        self.connections = 0
+        self._conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="otlp-black-hole", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # the 50 ms accept timeout: look at the stop flag again
+                pass
+            else:
+                conn.setblocking(False)
+                self._conns.append(conn)
+                self.connections += 1
+            for conn in self._conns:  # read and discard, so senders never block on a full buffer
+                try:
+                    while conn.recv(65536):
+                        pass
+                except OSError:
+                    pass
