@@ -1,0 +1,159 @@
+"""The pending queue (perfsdk.pipeline): bounded, never on the caller, one exit budget."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import perfsdk
+from perfsdk import pipeline as _pipeline
+from perfsdk.export.summary import SummarySink
+from perfsdk.pipeline import Pipeline
+from perfsdk.region import RegionSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def record(spec: RegionSpec, t0: int, t1: int, error: BaseException | None = None
+           ) -> tuple[Any, ...]:
+    return (spec.index, 1, 2, 0, t0, t1, threading.get_ident(), error, None, None, None, None,
+            None, None, None)
+
+
+class Recorder:
+    """A sink that records what reaches it, and on which thread."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self.threads: set[str] = set()
+        self.overflow: list[dict[int, list[int]]] = []
+        self.timeouts: list[float] = []
+
+    def consume(self, records: list[Any]) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.records.extend(records)
+
+    def tally(self, overflow: dict[int, list[int]]) -> None:
+        self.overflow.append(overflow)
+
+    def flush(self, timeout: float) -> None:
+        self.timeouts.append(timeout)
+
+    def shutdown(self, timeout: float) -> None:
+        self.timeouts.append(timeout)
+
+
+def test_the_pending_queue_is_bounded_and_the_summary_still_counts_every_region() -> None:
+    spec = RegionSpec.create("bounded")
+    pipe = Pipeline(max_pending=10)
+    summary, sink = SummarySink(), Recorder()
+    pipe.sinks += [summary, sink]
+    lost: list[int] = []
+    pipe.on_overflow = lost.append
+    for i in range(100):  # no pipeline thread: nothing drains while we submit
+        pipe.submit(record(spec, 0, (i + 1) * 1_000_000, ValueError() if i % 10 == 0 else None))
+    assert pipe.pending == 10  # never more than the bound
+    assert pipe.drain(wait=False) == 10
+    assert len(sink.records) == 10
+    assert lost == [90]  # the span sink is told, to count them as lost (queue_full)
+    row = summary.snapshot()["bounded"]
+    assert row.count == 100  # calls, total and errors include the 90 that overflowed
+    assert row.total_ms == pytest.approx(sum(range(1, 101)))
+    assert row.errors == 10
+    assert row.p50_ms == pytest.approx(5.5)  # percentiles: of the 10 that were queued
+
+
+def test_flush_and_summary_leave_the_work_to_the_pipeline_thread(captured: Any) -> None:
+    sink = Recorder()
+    _pipeline.PIPELINE.sinks.append(sink)
+    try:
+        with perfsdk.timed_region("background"):
+            pass
+        perfsdk.flush(timeout=30)
+        with perfsdk.timed_region("background"):
+            pass
+        table = perfsdk.summary(show=False)
+    finally:
+        _pipeline.PIPELINE.sinks.remove(sink)
+    assert table["background"].count == 2
+    assert len(sink.records) == 2
+    assert sink.threads == {"perfsdk-pipeline"}  # never the caller's thread
+
+
+def test_shutdown_shares_one_budget_among_the_sinks() -> None:
+    pipe = Pipeline()
+
+    class Slow(Recorder):
+        def shutdown(self, timeout: float) -> None:
+            super().shutdown(timeout)
+            time.sleep(0.3)
+
+    first, second = Slow(), Recorder()
+    pipe.sinks += [first, second]
+    pipe.shutdown(10.0)
+    assert first.timeouts[0] <= 10.0
+    # The second sink gets what the first left: at least the 0.3 s it slept less (a sum of
+    # per-stage timeouts was how exit used to take twice PERFSDK_EXPORT_TIMEOUT).
+    assert second.timeouts[0] <= first.timeouts[0] - 0.3
+
+
+def test_a_worker_exits_within_the_worker_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    budgets: list[float] = []
+    monkeypatch.setattr(_pipeline.PIPELINE, "shutdown", budgets.append)
+    monkeypatch.setattr(_pipeline, "lost_report", lambda: [])
+    monkeypatch.setattr(_pipeline.multiprocessing, "parent_process", lambda: object())
+    perfsdk.configure(export_timeout_s=7)
+    _pipeline.at_exit()
+    assert budgets == [_pipeline.WORKER_EXIT_BUDGET]
+    monkeypatch.setattr(_pipeline.multiprocessing, "parent_process", lambda: None)
+    _pipeline.at_exit()
+    assert budgets[-1] == 7
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_records_its_own_regions_never_the_inherited_one(tmp_path: Path) -> None:
+    """fork inside a region: the child's own regions are its own; the open region it inherited
+    is the parent's (recorded once, by the parent); span ids never repeat across the two."""
+    script = tmp_path / "fork_app.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        import perfsdk
+        from perfsdk.testing import capture
+
+        with capture() as cap:
+            with perfsdk.timed_region("outer"):
+                pid = os.fork()
+                if pid == 0:
+                    for i in range(3):
+                        with perfsdk.timed_region("child_work", i=i):
+                            pass
+            if pid == 0:
+                perfsdk.flush()
+        who = "child" if pid == 0 else "parent"
+        with open(sys.argv[1] + "." + who, "w") as f:
+            json.dump([[r.name, r.span_id, r.parent_span_id] for r in cap.regions], f)
+        if pid != 0:
+            os.waitpid(pid, 0)
+    """))
+    out = tmp_path / "regions"
+    done = subprocess.run([sys.executable, str(script), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    parent = json.loads(Path(f"{out}.parent").read_text())
+    child = json.loads(Path(f"{out}.child").read_text())
+    assert [r[0] for r in parent] == ["outer"]
+    assert sorted(r[0] for r in child) == ["child_work"] * 3  # no second "outer"
+    outer_id = parent[0][1]
+    assert all(r[2] == outer_id for r in child)  # the child's regions nest under the parent's
+    ids = [r[1] for r in parent + child]
+    assert len(set(ids)) == len(ids)
