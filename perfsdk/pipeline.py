@@ -96,7 +96,7 @@ class Pipeline:
         self.started = False
         self._init_state()
         if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork)
+            os.register_at_fork(before=self._before_fork, after_in_child=self._after_fork)
 
     def _init_state(self) -> None:
         self._queue: deque[Any] = deque()
@@ -221,18 +221,9 @@ class Pipeline:
     def _until_ready(self) -> None:
         """At the start of interpreter shutdown (before ``concurrent.futures`` refuses new work,
         which OpenTelemetry's resource detection and gRPC exporter need): let the background
-        set-up that started at the first region finish, within the export timeout. Nothing is
-        exported here; exit's shutdown (atexit) does that."""
-        from perfsdk.config import get_config
-
-        if self._thread is None:
-            return
-        deadline = time.monotonic() + get_config().export_timeout_s
-        self._set_up.wait(max(0.0, deadline - time.monotonic()))
-        for sink in list(self.sinks):
-            ready = getattr(sink, "wait_ready", None)
-            if ready is not None:
-                self._guard(functools.partial(ready, deadline), f"ready:{type(sink).__name__}")
+        set-up that started at the first region finish, as before a fork. Nothing is exported
+        here; exit's shutdown (atexit) does that."""
+        self._before_fork()
 
     def wake(self) -> None:
         self._wake.set()
@@ -388,6 +379,22 @@ class Pipeline:
                 warn_once(f"shutdown:{type(sink).__name__}",
                           f"perfsdk: shutting down {type(sink).__name__} failed ({exc!r}).")
         self._stopping = False
+
+    def _before_fork(self) -> None:
+        """Just before ``fork()``: if perfsdk's threads are still importing and building
+        exporters (they start at the first region), let them finish first, so the child does
+        not inherit a half-imported module or a lock held by a thread it does not have. Waits
+        only in that window, at most the export timeout."""
+        if self._thread is None:
+            return
+        from perfsdk.config import get_config
+
+        deadline = time.monotonic() + get_config().export_timeout_s
+        self._set_up.wait(max(0.0, deadline - time.monotonic()))
+        for sink in list(self.sinks):
+            ready = getattr(sink, "wait_ready", None)
+            if ready is not None:
+                self._guard(functools.partial(ready, deadline), f"ready:{type(sink).__name__}")
 
     def _after_fork(self) -> None:
         # The child has no pipeline thread and must not re-export the parent's regions.

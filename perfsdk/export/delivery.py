@@ -31,6 +31,7 @@ and all of it, reset by the first success. Spans produced meanwhile wait in the 
 
 from __future__ import annotations
 
+import http
 import logging
 import os
 import random
@@ -127,6 +128,8 @@ class capture_logs:  # used like a function, as a context manager
 
 
 _HTTP_STATUS = re.compile(r"code: (\d{3})")
+_HTTP_ERRORS = sorted((c for c in http.HTTPStatus if c.value >= 400),
+                      key=lambda c: -len(c.phrase))  # longest first: "Gateway Timeout" wins
 _GRPC_STATUS = re.compile(r"StatusCode\.([A-Z_]+)")
 
 
@@ -137,6 +140,9 @@ def classify(text: str) -> tuple[str, str]:
     status = _HTTP_STATUS.search(text)
     if status and status.group(1) != "None":
         return "export_failed", f"HTTP {status.group(1)}"
+    for code in _HTTP_ERRORS:  # "Transient error Service Unavailable encountered ..."
+        if code.phrase.lower() in low:
+            return "export_failed", f"HTTP {code.value}"
     grpc = _GRPC_STATUS.search(text)
     if grpc:
         code = grpc.group(1)

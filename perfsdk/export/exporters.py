@@ -93,18 +93,18 @@ def otlp_target() -> str:
         raise MissingDependencyError(
             "opentelemetry-exporter-otlp", "otlp", "The otlp exporter")
     variable = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
-    endpoint = os.environ.get(variable, "").strip()
+    endpoint = raw = os.environ.get(variable, "").strip()
     if not endpoint:
         variable = "OTEL_EXPORTER_OTLP_ENDPOINT"
-        base = os.environ.get(variable, "").strip()
+        raw = os.environ.get(variable, "").strip()
         if protocol == "grpc":
-            endpoint = base or "http://localhost:4317"
+            endpoint = raw or "http://localhost:4317"
         else:
-            endpoint = (base or "http://localhost:4318").rstrip("/") + "/v1/traces"
+            endpoint = (raw or "http://localhost:4318").rstrip("/") + "/v1/traces"
     problem = _endpoint_problem(endpoint)
     if problem:
         warn_once(f"otlp-endpoint:{endpoint}",
-                  f"perfsdk: {variable}={endpoint!r} is not a usable endpoint ({problem}); "
+                  f"perfsdk: {variable}={raw!r} is not a usable endpoint ({problem}); "
                   "accepted values are URLs like http://collector:4318 (grpc: "
                   "http://collector:4317). Spans sent there are counted as lost "
                   "(export_failed) in perfsdk.diagnostics().")

@@ -212,7 +212,10 @@ class SummarySink:
         pass
 
     def after_fork(self) -> None:
-        self.reset()
+        """A new lock (the parent's may have been held by its pipeline thread at the fork)
+        and an empty table."""
+        self._lock = threading.Lock()
+        self._acc = {}
 
     def reset(self) -> None:
         with self._lock:
