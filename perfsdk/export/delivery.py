@@ -140,9 +140,9 @@ def classify(text: str) -> tuple[str, str]:
     status = _HTTP_STATUS.search(text)
     if status and status.group(1) != "None":
         return "export_failed", f"HTTP {status.group(1)}"
-    for code in _HTTP_ERRORS:  # "Transient error Service Unavailable encountered ..."
-        if code.phrase.lower() in low:
-            return "export_failed", f"HTTP {code.value}"
+    for known in _HTTP_ERRORS:  # "Transient error Service Unavailable encountered ..."
+        if known.phrase.lower() in low:
+            return "export_failed", f"HTTP {known.value}"
     grpc = _GRPC_STATUS.search(text)
     if grpc:
         code = grpc.group(1)
