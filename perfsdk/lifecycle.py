@@ -42,7 +42,7 @@ except ImportError:  # optional: pip install opentelemetry-sdk
 else:
     SPANS = SpanSink(_for_otel(_config.get_config()))
     PIPELINE.sinks.append(SPANS)
-    PIPELINE.on_overflow = SPANS.overflowed
+    PIPELINE.on_lost = SPANS.count_lost
     _pipeline.lost_report = SPANS.lost_lines
 
 

@@ -91,8 +91,10 @@ class Pipeline:
         """Holds back a record until ``gate(record end, perf_counter ns)`` is true."""
         self.on_round: list[Callable[[], None]] = []
         """Called on the pipeline thread before each round (e.g. to start the GPU sampler)."""
-        self.on_overflow: Callable[[int], None] | None = None
-        """Told how many regions overflowed the pending queue (the span sink counts them)."""
+        self.on_lost: Callable[[int, str], None] | None = None
+        """Told how many regions never reached the sinks, and why (``queue_full``: the pending
+        queue overflowed; ``shutdown``: still pending when exit's budget ran out); the span sink
+        counts their spans as lost."""
         self.started = False
         self._init_state()
         if hasattr(os, "register_at_fork"):
@@ -108,6 +110,8 @@ class Pipeline:
         self._resolve_lock = threading.Lock()
         self._wake = threading.Event()
         self._tickets: deque[_Ticket] = deque()
+        self._in_hand = 0
+        self._abandoned = 0
         self._set_up = threading.Event()
         self._ready_hook = False
         self._thread: threading.Thread | None = None
@@ -230,8 +234,8 @@ class Pipeline:
 
     @property
     def pending(self) -> int:
-        """Regions not yet handed to the sinks (queued or waiting for the GPU)."""
-        return len(self._queue) + len(self._waiting)
+        """Regions not yet handed to the sinks (queued, waiting for the GPU, or in a drain)."""
+        return len(self._queue) + len(self._waiting) + self._in_hand
 
     def settle(self, timeout: float, *, final: bool = False) -> bool:
         """Have the pipeline thread hand every finished region to the sinks (waiting for the
@@ -258,12 +262,14 @@ class Pipeline:
             warn_once("drain-timeout", f"perfsdk: the pipeline was busy for more than "
                       f"{timeout:g} s; {self.pending} regions wait for a later round.")
             return 0
+        abandoned = self._abandoned
         try:
             self._deliver_overflow()
             batch, self._waiting = self._waiting, []
             queue = self._queue
             while queue:
                 batch.append(queue.popleft())
+            self._in_hand = len(batch)
             ready: list[Any] = []
             gate = self.gate
             for rec in batch:
@@ -278,10 +284,14 @@ class Pipeline:
                     else:
                         ready.append(resolved)
             del batch
+            if abandoned != self._abandoned:  # exit counted these as lost meanwhile
+                self._waiting = []
+                return 0
             for i in range(0, len(ready), CHUNK):
                 self._deliver(ready[i:i + CHUNK])
             return len(ready)
         finally:
+            self._in_hand = 0
             self._drain_lock.release()
 
     def _deliver_overflow(self) -> None:
@@ -294,8 +304,8 @@ class Pipeline:
             tally = getattr(sink, "tally", None)
             if tally is not None:
                 self._guard(functools.partial(tally, overflow), f"tally:{type(sink).__name__}")
-        if self.on_overflow is not None:
-            self.on_overflow(count)
+        if self.on_lost is not None:
+            self.on_lost(count, "queue_full")
 
     def _deliver(self, records: list[Any]) -> None:
         for sink in list(self.sinks):
@@ -363,7 +373,17 @@ class Pipeline:
             ticket = _Ticket(final=True)
             self._tickets.append(ticket)
             self._wake.set()
-            ticket.done.wait(max(0.0, deadline - time.monotonic()))
+            if not ticket.done.wait(max(0.0, deadline - time.monotonic())):
+                # e.g. waiting for a GPU that does not finish: what is left is counted, and
+                # neither the drain in progress nor a later one delivers it.
+                self._abandoned += 1
+                queue, queued = self._queue, len(self._queue)
+                for _ in range(queued):
+                    queue.popleft()
+                stuck = queued + len(self._waiting) + self._in_hand
+                self._waiting = []
+                if stuck and self.on_lost is not None:
+                    self.on_lost(stuck, "shutdown")
         else:
             self.drain(wait=True, timeout=max(0.0, deadline - time.monotonic()))
         self._thread = None

@@ -229,12 +229,12 @@ class SpanSink:
         """The mode if decided yet, else None (never decides)."""
         return self._mode
 
-    def overflowed(self, count: int) -> None:
-        """Regions the pipeline could not queue: their spans are counted as lost while spans
-        are being exported."""
-        if self._mode in ("owned", "user") and self.destinations:
-            for destination in self.destinations:
-                destination.count_lost(count, "queue_full")
+    def count_lost(self, count: int, reason: str) -> None:
+        """Regions that never reached this sink (see ``Pipeline.on_lost``): while spans are
+        exported, their spans are produced and lost, for ``reason``."""
+        if self._mode in ("owned", "user"):
+            for destination in list(self.destinations):
+                destination.count_lost(count, reason)
 
     @property
     def mode(self) -> str:

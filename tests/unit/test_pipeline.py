@@ -56,14 +56,14 @@ def test_the_pending_queue_is_bounded_and_the_summary_still_counts_every_region(
     pipe = Pipeline(max_pending=10)
     summary, sink = SummarySink(), Recorder()
     pipe.sinks += [summary, sink]
-    lost: list[int] = []
-    pipe.on_overflow = lost.append
+    lost: list[tuple[int, str]] = []
+    pipe.on_lost = lambda count, reason: lost.append((count, reason))
     for i in range(100):  # no pipeline thread: nothing drains while we submit
         pipe.submit(record(spec, 0, (i + 1) * 1_000_000, ValueError() if i % 10 == 0 else None))
     assert pipe.pending == 10  # never more than the bound
     assert pipe.drain(wait=False) == 10
     assert len(sink.records) == 10
-    assert lost == [90]  # the span sink is told, to count them as lost (queue_full)
+    assert lost == [(90, "queue_full")]  # the span sink counts their spans as lost
     row = summary.snapshot()["bounded"]
     assert row.count == 100  # calls, total and errors include the 90 that overflowed
     assert row.total_ms == pytest.approx(sum(range(1, 101)))
@@ -157,3 +157,35 @@ def test_a_forked_child_records_its_own_regions_never_the_inherited_one(tmp_path
     assert all(r[2] == outer_id for r in child)  # the child's regions nest under the parent's
     ids = [r[1] for r in parent + child]
     assert len(set(ids)) == len(ids)
+
+
+def test_regions_still_pending_when_the_exit_budget_runs_out_are_counted(fake_cuda: Any) -> None:
+    """A region whose GPU work never finishes holds the pipeline's last drain: exit goes on
+    when its budget is spent and counts the region's span as lost (shutdown)."""
+    pipe = Pipeline(interval=0.01)
+    lost: list[tuple[int, str]] = []
+    pipe.on_lost = lambda count, reason: lost.append((count, reason))
+    pipe.sinks.append(Recorder())
+    pipe.start()
+    hung = threading.Event()
+
+    class Stuck:
+        resolved = False
+        start_event = end_event = None
+
+    def stuck_resolve(region: Any, wait: bool) -> bool:
+        if wait:
+            hung.wait(LONG)  # the GPU never gets there (until the test ends)
+        return False
+
+    pipe.resolve_region = stuck_resolve  # type: ignore[method-assign]
+    spec = RegionSpec.create("stuck")
+    rec = list(record(spec, 0, 1))
+    rec[12], rec[13] = object(), Stuck()  # an end event: the record waits for the GPU
+    pipe.submit(tuple(rec))
+    pipe.shutdown(0.2)
+    hung.set()
+    assert lost == [(1, "shutdown")]
+
+
+LONG = 30.0
