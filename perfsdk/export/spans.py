@@ -44,9 +44,37 @@ __all__ = ["SCOPE", "build_resource", "region_attributes", "region_span"]
 SCOPE = InstrumentationScope("perfsdk", __version__)
 
 
+_BUILT: dict[tuple[str | None, ...], Resource] = {}
+"""Resources built in this process (or inherited through fork), by what they are made of."""
+
+
 def build_resource(config: Config) -> Resource:
     """``service.name``, ``host.name``, ``process.*``, torch version and, when the application
-    has initialized CUDA, the GPU name; ``OTEL_RESOURCE_ATTRIBUTES`` is merged in by OTel."""
+    has initialized CUDA, the GPU name; ``OTEL_RESOURCE_ATTRIBUTES`` is merged in by OTel.
+
+    Built once per process and settings: OpenTelemetry's resource detection runs on a thread
+    pool, which no longer takes work once the interpreter is shutting down. A forked child
+    takes its parent's resource with its own ``process.pid``, without detecting again, so a
+    short-lived child can still export at its exit."""
+    device = _device.active()
+    gpu: str | None = None
+    if device is not None:
+        try:
+            gpu = device.get_device_name()
+        except Exception:
+            gpu = None
+    key = (config.service_name, gpu, os.environ.get("OTEL_RESOURCE_ATTRIBUTES"),
+           os.environ.get("OTEL_SERVICE_NAME"))
+    known = _BUILT.get(key)
+    if known is not None:
+        if known.attributes.get("process.pid") != os.getpid():
+            known = _BUILT[key] = known.merge(Resource({"process.pid": os.getpid()}))
+        return known
+    built = _BUILT[key] = _detect(config, gpu)
+    return built
+
+
+def _detect(config: Config, gpu: str | None) -> Resource:
     attrs: dict[str, Any] = {
         "service.name": config.service_name,
         "host.name": socket.gethostname(),
@@ -56,12 +84,8 @@ def build_resource(config: Config) -> Resource:
         "perfsdk.version": __version__,
         "perfsdk.torch.version": torch.__version__,
     }
-    device = _device.active()
-    if device is not None:
-        try:
-            attrs["perfsdk.gpu.name"] = device.get_device_name()
-        except Exception:
-            pass
+    if gpu is not None:
+        attrs["perfsdk.gpu.name"] = gpu
     return Resource.create(attrs)
 
 

@@ -260,3 +260,39 @@ def test_threads_are_not_left_behind_by_a_closed_destination() -> None:
             time.monotonic() < deadline:
         time.sleep(0.01)
     assert "perfsdk-export-otlp" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_a_short_lived_forked_child_exports_its_own_regions_once(tmp_path: Path) -> None:
+    """os.fork() inside a region; the child runs a few regions and exits at once (its exporter
+    is built in the child, not lazily at interpreter shutdown); the inherited open region is
+    exported only by the parent, and no span id repeats across the processes."""
+    with OTLPReceiver("http") as receiver:
+        run = run_app(tmp_path, """
+            import os, sys
+            import perfsdk
+            with perfsdk.timed_region("warmup"):
+                pass
+            with perfsdk.timed_region("outer"):
+                pid = os.fork()
+                if pid == 0:
+                    for i in range(3):
+                        with perfsdk.timed_region("child_work", i=i):
+                            pass
+            if pid == 0:
+                sys.exit(0)
+            os.waitpid(pid, 0)
+        """, clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.base_endpoint,
+                       PERFSDK_EXPORTER="otlp"))
+        assert run.returncode == 0, run.stderr
+        spans = receiver.wait_for_spans(5, timeout=LONG)
+        time.sleep(0.2)  # nothing more arrives: a second "outer" would be a defect
+        spans = receiver.spans()
+    names = sorted(s.name for s in spans)
+    assert names == ["child_work"] * 3 + ["outer", "warmup"], names
+    assert len({s.span_id for s in spans}) == 5
+    outer = next(s for s in spans if s.name == "outer")
+    children = [s for s in spans if s.name == "child_work"]
+    assert {s.parent_span_id for s in children} == {outer.span_id}
+    assert {s.resource["process.pid"] for s in children} != {outer.resource["process.pid"]}
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "were not exported" not in run.stderr, run.stderr
