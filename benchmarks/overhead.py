@@ -223,8 +223,13 @@ def measure(args: argparse.Namespace) -> int:
     tracer = provider.get_tracer("perfsdk-bench")
     notes.append("otel: SDK TracerProvider (not set globally, so perfsdk stays in its owned "
                  "mode in the same process) + BatchSpanProcessor(max_queue_size=65536, "
-                 "max_export_batch_size=2048, schedule_delay_millis=1000, as perfsdk's) + "
+                 "max_export_batch_size=2048, schedule_delay_millis=1000, the same as perfsdk's export "
+                 "queue here) + "
                  "DropExporter")
+
+    # perfsdk's export queue as large as the OTel comparison's BatchSpanProcessor, so both keep
+    # every span of a timed loop (the default, OTEL_BSP_MAX_QUEUE_SIZE=2048, would drop most).
+    QUEUE = {"export_queue_size": 65536, "export_batch_size": 2048, "export_delay_s": 1.0}
 
     def settle() -> None:
         """Nothing left in the background before a timed loop; a clean garbage collector."""
@@ -233,7 +238,7 @@ def measure(args: argparse.Namespace) -> int:
         gc.collect()
 
     def use_exporter(exporter: Any) -> Callable[[], None]:
-        return lambda: perfsdk.configure(exporter=exporter, timing=True)
+        return lambda: perfsdk.configure(exporter=exporter, timing=True, **QUEUE)
 
     def nvtx_only() -> None:
         perfsdk.configure(exporter="none", timing=False)
@@ -356,7 +361,7 @@ def measure(args: argparse.Namespace) -> int:
 
     # -- whole cost: a long loop plus the final flush -------------------------------------
     def whole_full() -> tuple[float, int]:
-        perfsdk.configure(exporter=perfsdk_drop)
+        perfsdk.configure(exporter=perfsdk_drop, **QUEUE)
         timed_loop(full, 100)
         settle()
         before = perfsdk_drop.spans

@@ -162,18 +162,22 @@ class TraceSink:
 
     def configure(self, config: Config, timeout: float | None = None) -> None:
         """Turn the file on or off, or move it: what was collected goes to the old file first
-        (written on the writer thread)."""
+        (written on the writer thread; waited for at most ``timeout`` seconds, default the new
+        ``export_timeout_s``)."""
         if self._fixed_max is None:
             self.max_events = config.trace_max_regions
         new_dir = config.output_dir if "trace" in config.exporters else None
         if new_dir == self.output_dir:
             return
+        ticket = None
         with self._lock:
             path = self.path
             if path is not None and self._dirty:
-                self._request((path, self._events, self._threads, self.dropped))
+                ticket = self._request((path, self._events, self._threads, self.dropped))
             self._events, self._threads, self.dropped, self._dirty = [], {}, 0, False
             self.output_dir = new_dir
+        if ticket is not None:
+            self._wait(ticket, config.export_timeout_s if timeout is None else timeout)
 
     def consume(self, records: list[Any]) -> None:
         if self.output_dir is None:
