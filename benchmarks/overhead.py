@@ -223,9 +223,8 @@ def measure(args: argparse.Namespace) -> int:
     tracer = provider.get_tracer("perfsdk-bench")
     notes.append("otel: SDK TracerProvider (not set globally, so perfsdk stays in its owned "
                  "mode in the same process) + BatchSpanProcessor(max_queue_size=65536, "
-                 "max_export_batch_size=2048, schedule_delay_millis=1000, the same as perfsdk's export "
-                 "queue here) + "
-                 "DropExporter")
+                 "max_export_batch_size=2048, schedule_delay_millis=1000, the same as "
+                 "perfsdk's export queue here) + DropExporter")
 
     # perfsdk's export queue as large as the OTel comparison's BatchSpanProcessor, so both keep
     # every span of a timed loop (the default, OTEL_BSP_MAX_QUEUE_SIZE=2048, would drop most).
