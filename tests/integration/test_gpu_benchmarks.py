@@ -1,6 +1,7 @@
-"""On a real GPU: perfsdk.bench times CUDA work with CUDA events, and benchmarks/optimize.py runs
-on CUDA (``--device cuda``) with optimize() trying CUDA graphs there. The CPU-side check of the
-benchmark's ``--device`` option runs everywhere.
+"""On a real GPU: perfsdk.bench times CUDA work with CUDA events, benchmarks/gpu_regions.py
+measures what it claims, and benchmarks/optimize.py runs on CUDA (``--device cuda``) with
+optimize() trying CUDA graphs there. The CPU-side checks (both scripts refuse to run on CUDA
+without a GPU, clearly) run everywhere.
 
 The gpu tests skip without CUDA (PERFSDK_REQUIRE_GPU=1 turns the skip into a failure); the
 optimize run is also ``slow`` (``--run-slow``; .ci/gpu passes it).
@@ -19,6 +20,7 @@ from perfsdk import bench
 from tests.benchmark_run import REPO_ROOT, positive
 
 SCRIPT = REPO_ROOT / "benchmarks" / "optimize.py"
+REGIONS = REPO_ROOT / "benchmarks" / "gpu_regions.py"
 
 
 def _sleep_ms(cycles: int) -> float:
@@ -69,13 +71,35 @@ def test_optimize_benchmark_runs_on_cuda(tmp_path):
     assert any(s["median_ms"] is not None for s in graphs), graphs  # CUDA graphs were timed
 
 
+@pytest.mark.gpu
+def test_gpu_regions_benchmark_measures_what_it_claims(tmp_path):
+    out = tmp_path / "gpu_regions.json"
+    proc = subprocess.run([sys.executable, str(REGIONS), "--quick", "--output", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    head = result["headline"]
+    assert set(head) == {"region_added_host_us", "syncs_in_timed_loops",
+                         "device_ms_relative_error", "cuda_graphs_speedup"}
+    assert head["syncs_in_timed_loops"]["value"] == 0, result["details"]["syncs"]
+    assert head["device_ms_relative_error"]["value"] < 0.25, result["details"]["device_time"]
+    assert positive(head["region_added_host_us"]["value"])
+    assert positive(head["cuda_graphs_speedup"]["value"])
+    assert result["details"]["cuda_graphs"]["device"] == "cuda"
+    assert result["device"]["name"] == torch.cuda.get_device_name()
+
+
 # the build, not the driver: asking for a GPU at collection would touch the driver in every run
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks the refusal on a CPU build")
-def test_optimize_benchmark_refuses_cuda_without_a_gpu(tmp_path):
+@pytest.mark.parametrize(("script", "args", "message"), [
+    (SCRIPT, ["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False"),
+    (REGIONS, [], "needs a CUDA GPU: torch.cuda.is_available() is False"),
+])
+def test_the_gpu_benchmarks_refuse_to_run_without_a_gpu(tmp_path, script, args, message):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--device", "cuda",
-         "--output", str(tmp_path / "x.json")],
+        [sys.executable, str(script), "--quick", *args, "--output", str(tmp_path / "x.json")],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 2
-    assert "--device cuda: torch.cuda.is_available() is False" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
     assert not (tmp_path / "x.json").exists()

@@ -38,16 +38,15 @@ def test_nested_and_sibling_peaks_on_the_real_allocator():
     keep = _block(8)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    with capture() as cap:
-        with perfsdk.timed_region("outer", memory=True):
-            a = _block(16)
-            with perfsdk.timed_region("inner", memory=True):
-                b = _block(32)
-                del b
-            with perfsdk.timed_region("sibling", memory=True):
-                c = _block(4)
-                del c
-            del a
+    with capture() as cap, perfsdk.timed_region("outer", memory=True):
+        a = _block(16)
+        with perfsdk.timed_region("inner", memory=True):
+            b = _block(32)
+            del b
+        with perfsdk.timed_region("sibling", memory=True):
+            c = _block(4)
+            del c
+        del a
     assert _mem(cap, "inner")[PEAK] == base + 48 * MB
     assert _mem(cap, "inner")[DELTA] == 0
     assert _mem(cap, "sibling")[PEAK] == base + 20 * MB  # not the inner region's 48 MB
@@ -63,9 +62,9 @@ def test_out_of_memory_in_a_region_records_the_allocator_and_a_snapshot(tmp_path
     try:
         keep = _block(4)
         too_much = 4 * torch.cuda.get_device_properties(0).total_memory
-        with capture() as cap, pytest.raises(torch.OutOfMemoryError):
-            with perfsdk.timed_region("oom", memory=True):
-                torch.empty(too_much, dtype=torch.uint8, device="cuda")
+        with capture() as cap, pytest.raises(torch.OutOfMemoryError), \
+                perfsdk.timed_region("oom", memory=True):
+            torch.empty(too_much, dtype=torch.uint8, device="cuda")
     finally:
         configure(memory_snapshots=False)
     attrs = cap.named("oom")[0].attributes
