@@ -51,7 +51,10 @@ def test_the_energy_counter_rises_while_the_gpu_works(pynvml):
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByUUID(_nvml_uuid(pynvml, torch_device_uuids()[0]))
-        before = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        try:
+            before = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        except pynvml.NVMLError_NotSupported:  # before Volta: perfsdk integrates power instead
+            pytest.skip("this GPU has no NVML energy counter")
         busy(0.5)
         after = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
     finally:
@@ -92,9 +95,10 @@ def test_sampler_window_over_real_work(pynvml):
     assert attrs["perfsdk.gpu.samples"] >= 10
     assert attrs["perfsdk.gpu.power_w"] > 0
     assert attrs["perfsdk.gpu.energy_j"] > 0
-    seconds = (t1 - t0) / 1e9
-    assert attrs["perfsdk.gpu.energy_j"] == pytest.approx(attrs["perfsdk.gpu.power_w"] * seconds,
-                                                          rel=0.5)
+    # the same units: joules against watts x seconds (NVML's power is a 1 s average on recent
+    # GPUs, so it lags the counter while the load ramps up; only a factor of 3 is asked for)
+    ratio = attrs["perfsdk.gpu.energy_j"] / (attrs["perfsdk.gpu.power_w"] * (t1 - t0) / 1e9)
+    assert 1 / 3 < ratio < 3, ratio
     assert attrs["hw.gpu.utilization"] > 0.3  # back-to-back 4096x4096 matmuls
     assert attrs["hw.gpu.memory.usage"] >= 64 * 2**20  # at least the matmuls' tensors
     assert attrs["perfsdk.gpu.temperature_max_c"] > 0
