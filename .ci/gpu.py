@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -146,21 +147,25 @@ def _pythonpath() -> str:
 
 def _tee(command: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
     """Run ``command``, its output both printed and written to ``log``; its exit status (124
-    when it ran past ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
+    when it ran past ``timeout`` seconds and was killed)."""
     with open(log, "w", encoding="utf-8") as f:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            f.write(line)
-            if time.monotonic() > deadline:
-                proc.kill()
-                f.write(f"\n[killed after {timeout:.0f} s]\n")
-                proc.wait()
-                return 124
-        return proc.wait()
+        timer = threading.Timer(timeout, proc.kill)  # also when it hangs without output
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                f.write(line)
+            rc = proc.wait()
+        finally:
+            timed_out = not timer.is_alive()
+            timer.cancel()
+        if timed_out and rc != 0:
+            f.write(f"\n[killed after {timeout:.0f} s]\n")
+            return 124
+        return rc
 
 
 def empty_counts() -> dict[str, Any]:
