@@ -146,15 +146,20 @@ def _with_autograd(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     self = args[0] if args else None
     if isinstance(self, FakeCudaTensor) and func in (_T.to, _T.cpu, _T.cuda):
         return _move(func, self, args[1:], kwargs)
-    inputs = {id(t._data): t for t in tree_leaves((args, kwargs)) if isinstance(t, FakeCudaTensor)}
+    inputs: dict[int, tuple[torch.Tensor, Any]] = {}  # id of what func sees -> (it, returned)
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, FakeCudaTensor):
+            inputs[id(t._data)] = (t._data, t)
+        elif isinstance(t, torch.Tensor):
+            inputs[id(t)] = (t, t)
     out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
 
     def wrap(t: Any) -> Any:
         if type(t) is not torch.Tensor:
             return t
-        same = inputs.get(id(t))
-        if same is not None and same._data is t:
-            return same
+        seen, returned = inputs.get(id(t), (None, None))
+        if seen is t:  # an input given back (in-place calls, out=): the caller's own object
+            return returned
         return FakeCudaTensor(t) if t.device.type == "cpu" else t
     return tree_map(wrap, out)
 

@@ -131,6 +131,18 @@ def test_device_moves_with_gradients():
     assert y.to(x).device.type == "cuda"
 
 
+def test_in_place_calls_with_gradients_give_back_the_callers_objects():
+    w = torch.ones(3, requires_grad=True)
+    y = FakeCudaTensor(torch.zeros(3)) * 1
+    assert y.add_(w) is y
+    assert y.requires_grad
+    host = torch.zeros(3)
+    assert host.add_(y) is host  # a plain tensor given back stays itself, not a fake
+    assert type(host) is torch.Tensor
+    host.sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(3))
+
+
 def test_without_gradients_calls_reach_the_dispatcher_as_cuda_tensors():
     model, _ = mlp()
     x = FakeCudaTensor(torch.randn(2, 8))
