@@ -80,3 +80,12 @@ def docs(session: nox.Session) -> None:
     install(session)
     session.run("python", "-m", "tests.test_docs_examples", "--write-reference")
     session.run("python", "-m", "pytest", "tests/test_docs_examples.py", "-q", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """On a GPU machine: every gpu test with PERFSDK_REQUIRE_GPU=1 (a skip is a failure), then
+    the GPU benchmarks; writes benchmarks/results/gpu/report.md (.ci/gpu.py). Runs in the
+    current environment, which needs a CUDA build of torch and ``pip install -e '.[dev]'``:
+    installing here would pull the CPU build. ``nox -s gpu -- --no-bench -- -k graphs``."""
+    session.run("python", ".ci/gpu.py", *session.posargs, external=True)

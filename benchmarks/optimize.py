@@ -6,6 +6,7 @@ Usage::
     python benchmarks/optimize.py                  # full run (tens of minutes on 2 CPU cores)
     python benchmarks/optimize.py --quick          # tiny shapes, dynamo's "eager" backend (smoke)
     python benchmarks/optimize.py --output x.json  # default: benchmarks/results/optimize.json
+    python benchmarks/optimize.py --quick --device cuda --budget 120  # on a GPU (.ci/gpu runs it)
 
 Four workloads, as in the issue's Targets table: the lab's SimpleNet (3x112x112, batch 16) for
 inference and for one training step, and a TransformerEncoder (d=256, 4 layers, 16x128 tokens)
@@ -23,6 +24,10 @@ For each workload, in one process:
    ``.to(memory_format=torch.channels_last)``, ``torch.compile``, inductor ``freezing``), each
    on its own copy of the model, plus the model ``optimize`` returned, timed together with
    :func:`perfsdk.bench.compare`: interleaved rounds, the same inputs, medians; eager fp32 = 1.0.
+
+With ``--device cuda`` the models and inputs live on the GPU, the reduced precision is float16
+(what ``optimize`` picks there; the variants are named ``fp16`` instead of ``bf16``), timings
+come from CUDA events (:mod:`perfsdk.bench`) and ``optimize`` also tries CUDA graphs.
 
 Targets: optimize's pick reaches >= 95% of the best by-hand speedup, is never slower than eager,
 and its report's median is within 10% of the independent re-timing. The exit status is 0 whether
@@ -97,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", help="torch.compile backend (default inductor; quick eager)")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep inductor's usual cache directory (default: a fresh one)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the models run (default cpu; cuda: float16 instead of bf16)")
     args = p.parse_args(argv)
     quick = args.quick
     for name, full, small in (("min_time", 4.0, 0.05), ("rounds", 5, 2), ("warmup", 2, 1),
@@ -105,12 +112,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, small if quick else full)
     if args.min_time <= 0 or args.rounds < 1 or args.warmup < 0 or args.budget <= 0:
         p.error("--min-time and --budget must be > 0, --rounds >= 1, --warmup >= 0")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device cuda: torch.cuda.is_available() is False (torch "
+                    f"{torch.__version__}, CUDA build {torch.version.cuda})")
     return args
 
 
+def low_precision(device: str) -> Any:
+    """The reduced-precision dtype of the variants: bfloat16 on the CPU, float16 on a GPU."""
+    import torch
+
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+def shown(variant: str, device: str) -> str:
+    """A variant's name as printed and saved: ``bf16`` reads ``fp16`` on a GPU."""
+    return variant.replace("bf16", "fp16") if device == "cuda" else variant
+
+
 # ------------------------------------------------------------------------------- workloads
-def build(kind: str, mode: str, quick: bool) -> tuple[Any, tuple[Any, ...], Any, Any]:
-    """(model, inputs, target, loss_fn) for a workload."""
+def build(kind: str, mode: str, quick: bool, device: str = "cpu"
+          ) -> tuple[Any, tuple[Any, ...], Any, Any]:
+    """(model, inputs, target, loss_fn) for a workload, on ``device``."""
     import torch
     from torch.nn import functional
 
@@ -127,7 +153,9 @@ def build(kind: str, mode: str, quick: bool) -> tuple[Any, tuple[Any, ...], Any,
         tokens = torch.randn(shape["batch"], shape["tokens"], shape["d_model"])
         inputs, target, loss_fn = (tokens,), torch.randn_like(tokens), functional.mse_loss
     model.train(mode == "train")
-    return model, inputs, target, loss_fn
+    model = model.to(device)
+    inputs = tuple(t.to(device) for t in inputs)
+    return model, inputs, target.to(device), loss_fn
 
 
 def describe(kind: str, mode: str, quick: bool) -> str:
@@ -176,14 +204,15 @@ def step_fn(model: Any, mode: str, loss_fn: Any,
 
 
 def by_hand(base: Any, spec: tuple[bool, bool, bool, bool, bool], mode: str, loss_fn: Any,
-            backend: str) -> tuple[Any, Callable[..., Any]]:
+            backend: str, device: str = "cpu") -> tuple[Any, Callable[..., Any]]:
     """A copy of ``base`` with the combination done by hand, and its step function."""
     import torch
 
     channels_last, bf16, comp, freezing, weights = spec
+    low = low_precision(device)
     model = copy.deepcopy(base)
     if weights:
-        model = model.to(torch.bfloat16)
+        model = model.to(low)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     runner = model
@@ -193,10 +222,10 @@ def by_hand(base: Any, spec: tuple[bool, bool, bool, bool, bool], mode: str, los
 
     def forward(x: Any) -> Any:
         if weights:
-            x = x.to(torch.bfloat16)
+            x = x.to(low)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        with torch.autocast(device, low, enabled=bf16):
             out = runner(x)
         return out.float()
     return model, step_fn(model, mode, loss_fn, forward)
@@ -237,7 +266,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     kind, mode = WORKLOADS[name]
     label = describe(kind, mode, args.quick)
-    base, inputs, target, loss_fn = build(kind, mode, args.quick)
+    base, inputs, target, loss_fn = build(kind, mode, args.quick, args.device)
     x = inputs[0]
     batch = int(x.shape[0])
     timing: dict[str, Any] = {"min_time": args.min_time, "warmup": args.warmup,
@@ -269,14 +298,16 @@ def run_workload(name: str, args: argparse.Namespace) -> dict[str, Any]:
     hand: dict[str, dict[str, Any]] = {}
     keep: list[Any] = []
     for variant in hand_variants(kind, mode, args):
-        model, fn = by_hand(base, HAND[variant], mode, loss_fn, args.backend)
+        model, fn = by_hand(base, HAND[variant], mode, loss_fn, args.backend, args.device)
         t1 = time.perf_counter()
         got = probe(model, fn, mode, x, target)  # the first call: compilation happens here
         setup = time.perf_counter() - t1
         out_error, grad_error = errors(got, reference)
-        hand[variant] = {"setup_s": setup, "output_error": out_error, "grad_error": grad_error,
-                         "within_tolerance": within_tolerance(variant, out_error, grad_error)}
-        fns[variant] = fn
+        name_shown = shown(variant, args.device)
+        hand[name_shown] = {"setup_s": setup, "output_error": out_error,
+                            "grad_error": grad_error,
+                            "within_tolerance": within_tolerance(variant, out_error, grad_error)}
+        fns[name_shown] = fn
         keep.append(model)
     fns["optimize()"] = step_fn(opt_model, mode, loss_fn)
     comparison = bench.compare(fns, x, target, rounds=args.rounds, baseline="eager fp32",
@@ -336,6 +367,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "benchmark": "perfsdk optimize(auto=True) vs the best combination by hand",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": _device_info(args.device),
         "settings": {"quick": args.quick, "min_time_s": args.min_time, "rounds": args.rounds,
                      "warmup": args.warmup, "budget_s": args.budget, "backend": args.backend,
                      "fresh_inductor_cache": not args.warm_cache,
@@ -360,6 +392,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _device_info(device: str) -> dict[str, Any]:
+    """Where the workloads ran: ``type`` (cpu or cuda), and on a GPU its name, capability and
+    torch's CUDA version."""
+    import torch
+
+    info: dict[str, Any] = {"type": device}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                    low_precision="float16")
+    else:
+        info["low_precision"] = "bfloat16"
+    return info
+
+
 def _bf16_flags() -> list[str]:
     """The CPU's bfloat16 instruction-set flags (avx512_bf16, amx_bf16) from /proc/cpuinfo."""
     try:
@@ -373,7 +421,10 @@ def print_table(result: dict[str, Any]) -> None:
     width = max(len(w["label"]) for w in result["workloads"].values()) + 2
     head = (f"{'workload':<{width}}{'best by hand':<44}{'x':>7}  {'optimize() chose':<48}"
             f"{'x':>7}{'% best':>8}{'>= eager':>9}{'re-time':>9}{'search s':>10}")
-    print(f"\noptimize(auto=True) against the best by hand; eager fp32 = 1.0 (median)\n\n{head}")
+    device = result["device"]
+    where = device.get("name", device["type"])
+    print(f"\noptimize(auto=True) against the best by hand on {where}; eager fp32 = 1.0 "
+          f"(median)\n\n{head}")
     print("-" * len(head))
     for w in result["workloads"].values():
         o, t = w["optimize"], w["targets"]

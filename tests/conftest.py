@@ -2,7 +2,8 @@
 
 * ``slow`` tests run only with ``--run-slow``.
 * ``gpu`` tests skip when ``torch.cuda.is_available()`` is False; with ``PERFSDK_REQUIRE_GPU=1``
-  (set on GPU runners) that skip becomes a failure, so a broken CUDA install cannot pass silently.
+  (set on GPU runners, by ``.ci/gpu``) that skip, and any other skip of a ``gpu`` test, is a
+  failure, so a broken CUDA install or a missing package cannot pass silently.
 * ``distributed`` tests are deselected unless ``WORLD_SIZE`` > 1 (they run under ``torchrun``).
 * Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``captured`` (in-memory capture of
   resolved regions and spans) and the autouse ``fresh_config`` that restores perfsdk's settings
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
@@ -73,6 +74,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.fail("PERFSDK_REQUIRE_GPU=1 but torch.cuda.is_available() is False",
                         pytrace=False)
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Under ``PERFSDK_REQUIRE_GPU=1`` a ``gpu`` test that skips for any reason (a missing
+    package, ``slow`` without ``--run-slow``, ``pytest.skip`` in the test) fails instead: on a
+    GPU runner every GPU path must really have run."""
+    report = yield
+    if (report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu")
+            and _require_gpu()):
+        reason = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                  else str(report.longrepr)).removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = (f"PERFSDK_REQUIRE_GPU=1: this gpu test was skipped ({reason}); "
+                           "on a GPU runner a skip is a failure")
+    return report
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""On a real GPU: device time from CUDA events, with no synchronization added by perfsdk.
+"""On a real GPU: device time from CUDA events, with no synchronization added by perfsdk: the
+regions' device time is the kernels', resolved by the background poller.
 
 Skipped without CUDA (PERFSDK_REQUIRE_GPU=1 turns the skip into a failure on GPU runners).
 """
@@ -10,6 +11,7 @@ import torch
 
 import perfsdk
 from perfsdk.testing import capture
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -41,3 +43,51 @@ def test_device_time_of_real_kernels_without_a_sync():
     assert all(r.device_ms is not None and r.device_ms > 0 for r in blocks)
     matmuls = cap.named("gpu.matmul")
     assert all(m.device_ms <= b.device_ms + 1e-3 for m, b in zip(matmuls, blocks, strict=True))
+
+
+def _sleep_ms(cycles: int) -> float:
+    """How long ``torch.cuda._sleep(cycles)`` keeps the GPU busy, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def test_device_ms_of_a_known_kernel_resolves_in_the_background_without_a_sync(monkeypatch):
+    """A 20 ms GPU spin launched in microseconds: the region's device time is the spin's, its
+    host time is the launch's, and it resolves on perfsdk's poller while nothing synchronizes
+    (every synchronize entry point of torch.cuda is counted)."""
+    x = torch.ones(1, device="cuda")
+    _sleep_ms(1000)  # the kernel loaded, the clocks up
+    cycles = max(1, int(1_000_000 * 20.0 / _sleep_ms(1_000_000)))
+    reference_ms = _sleep_ms(cycles)
+    syncs: list[str] = []
+    for owner, attr, name in ((torch.cuda, "synchronize", "torch.cuda.synchronize"),
+                              (torch.cuda.Event, "synchronize", "Event.synchronize"),
+                              (torch.cuda.Stream, "synchronize", "Stream.synchronize")):
+        original = getattr(owner, attr)
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            syncs.append(_name)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, attr, counting)
+    with capture() as cap:
+        with perfsdk.timed_region("gpu.outer"):
+            with perfsdk.timed_region("gpu.spin"):
+                torch.cuda._sleep(cycles)
+            x.add_(1)
+        resolved = wait_until(lambda: len(cap.regions) == 2, timeout=10.0)
+        seen = list(syncs)  # before capture() drains at its end
+    monkeypatch.undo()
+    assert resolved, "the background poller did not resolve the regions within 10 s"
+    assert seen == []
+    spin, outer = cap.named("gpu.spin")[0], cap.named("gpu.outer")[0]
+    assert isinstance(spin.device_ms, float)
+    assert spin.device_ms == pytest.approx(reference_ms, rel=0.25)
+    assert spin.host_ms < spin.device_ms / 2  # the launch returned long before the GPU was done
+    assert outer.device_ms is not None
+    assert spin.device_ms <= outer.device_ms <= spin.device_ms + 5.0
+    assert outer.span_id == spin.parent_span_id
+    assert float(x) == 2.0

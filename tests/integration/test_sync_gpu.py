@@ -1,5 +1,6 @@
 """On a real GPU: no_sync_guard sees real device tensors, and torch's sync debug mode is
-turned on only while a guard is open, with its warnings routed to the guard's own context.
+turned on only while a guard is open, with its warnings routed to the guard's own context:
+counted once in "count" mode, raised as a SyncError in "error" mode.
 
 Skipped without CUDA (PERFSDK_REQUIRE_GPU=1 turns the skip into a failure on GPU runners).
 """
@@ -70,3 +71,27 @@ def test_debug_mode_is_scoped_to_the_guard() -> None:
     assert seen == [4096]
     assert guard.report.total >= 1
     assert all(site.file == __file__ for site in guard.report.sites)
+
+
+def test_count_mode_counts_an_item_once() -> None:
+    """``.item()`` is seen by perfsdk's detector and by torch's debug mode: one site, one sync."""
+    x = torch.randn(16, device="cuda")
+    with no_sync_guard("count") as guard:
+        x.sum().item()
+    assert guard.report.total == 1
+    assert [site.op for site in guard.report.sites] == ["item"]
+    assert torch.cuda.get_sync_debug_mode() == 0
+
+
+def test_error_mode_raises_for_a_sync_only_torchs_debug_mode_sees() -> None:
+    """bincount reads its input's maximum inside the operator: only torch's sync debug mode
+    knows, and under "error" that is a SyncError too; the debug mode is restored after it."""
+    x = torch.randn(4096, device="cuda")
+    with pytest.raises(SyncError) as info, no_sync_guard("error"):
+        torch.bincount((x > 0).long())
+    assert info.value.op == "cuda"
+    assert info.value.file == __file__
+    assert torch.cuda.get_sync_debug_mode() == 0
+    with no_sync_guard("count") as guard:  # the guard works again after the error
+        torch.bincount((x > 0).long())
+    assert guard.report.total >= 1

@@ -38,9 +38,36 @@ def test_fixtures(fake_cuda, captured, nvtx_lib):
 '''
 
 
-def run_pytest(tmp_path: Path, *args: str, **env: str) -> dict[str, str]:
+# A GPU runner, as far as the harness can tell: its CUDA check says yes (the tests below check
+# what a gpu test that skips by itself becomes; none of them touches CUDA).
+GPU_SKIPS = '''
+import pytest
+
+import tests.conftest as harness
+
+harness._cuda_available = lambda: True
+
+@pytest.mark.gpu
+def test_gpu_skips_itself():
+    pytest.skip("pynvml is not installed")
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_slow():
+    pass
+
+@pytest.mark.gpu
+def test_gpu_runs():
+    pass
+
+def test_cpu_skips_itself():
+    pytest.skip("not a gpu test")
+'''
+
+
+def run_pytest(tmp_path: Path, *args: str, sample: str = SAMPLE, **env: str) -> dict[str, str]:
     test_file = tmp_path / "test_sample.py"
-    test_file.write_text(SAMPLE)
+    test_file.write_text(sample)
     environ = {k: v for k, v in os.environ.items()
                if k not in ("WORLD_SIZE", "PERFSDK_REQUIRE_GPU", "PYTEST_ADDOPTS")}
     environ["PYTHONPATH"] = str(ROOT)
@@ -89,3 +116,19 @@ def test_run_slow_world_size_and_require_gpu(tmp_path):
     assert result.get("test_distributed") == "PASSED", out
     assert result.get("test_gpu") in ("FAILED", "ERROR"), out  # fails in setup
     assert "PERFSDK_REQUIRE_GPU=1 but torch.cuda.is_available() is False" in out
+
+
+def test_a_gpu_test_that_skips_itself_fails_only_under_require_gpu(tmp_path):
+    result = run_pytest(tmp_path, sample=GPU_SKIPS)
+    out = result["_out"]
+    assert result.get("test_gpu_runs") == "PASSED", out
+    assert re.search(r"\b3 skipped\b", out), out
+    result = run_pytest(tmp_path, sample=GPU_SKIPS, PERFSDK_REQUIRE_GPU="1")
+    out = result["_out"]
+    assert result.get("test_gpu_runs") == "PASSED", out
+    assert result.get("test_gpu_skips_itself") == "FAILED", out
+    assert result.get("test_gpu_slow") in ("FAILED", "ERROR"), out  # slow, no --run-slow
+    assert "this gpu test was skipped (pynvml is not installed)" in out, out
+    assert "not a gpu test" in result["_skip_reasons"], out  # other tests may still skip
+    result = run_pytest(tmp_path, "--run-slow", sample=GPU_SKIPS, PERFSDK_REQUIRE_GPU="1")
+    assert result.get("test_gpu_slow") == "PASSED", result["_out"]

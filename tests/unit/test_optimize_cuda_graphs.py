@@ -156,16 +156,40 @@ def test_recently_used_graphs_stay(fake_cuda):
 
 def test_calls_that_need_gradients_run_eagerly(fake_cuda):
     model, eager = graphed(fake_cuda)
-    x = torch.randn(2, 8)  # host tensors here: autograd aborts on fake CUDA tensors
+    x = torch.randn(2, 8)
     with pytest.warns(PerfSDKWarning, match="inference only.*make_graphed_callables"):
-        out = model(x)
+        out = model(cuda(x))
+    assert out.device.type == "cuda"
     out.sum().backward()
     assert model.fc1.weight.grad is not None
     assert runner(model).captures == 0
-    model(x)  # warned once
+    model(cuda(x))  # warned once
     model.requires_grad_(False)  # nothing needs gradients: graphed even with grad mode on
     torch.testing.assert_close(model(cuda(x)).cpu(), eager(x).detach())
     assert runner(model).captures == 1
+
+
+def test_eager_gradients_equal_plain_eager_gradients(fake_cuda):
+    """The path for calls that need gradients, on fake CUDA tensors: the input's and every
+    parameter's gradient are the plain eager ones, and nothing was captured or replayed."""
+    model, eager = graphed(fake_cuda)
+    x = torch.randn(4, 8)
+    x_ref = x.clone().requires_grad_()
+    x_fake = cuda(x.clone().requires_grad_())
+    with pytest.warns(PerfSDKWarning, match="inference only"):
+        out = model(x_fake, 0.5)
+    assert out.device.type == "cuda"
+    assert out.requires_grad
+    (out ** 2).sum().backward()
+    (eager(x_ref, 0.5) ** 2).sum().backward()
+    assert x_fake.grad is not None
+    assert x_fake.grad.device.type == "cuda"
+    torch.testing.assert_close(x_fake.grad.cpu(), x_ref.grad)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    r = runner(model)
+    assert (r.captures, r.replays, fake_cuda.graphs_captured) == (0, 0, 0)
+    assert model.calls == [fake_cuda.default_stream]  # one eager call, on the caller's stream
 
 
 def test_host_inputs_and_unhashable_arguments_run_eagerly(fake_cuda):
