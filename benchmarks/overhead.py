@@ -622,14 +622,15 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
 def fill_counts(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 counts: tuple[tuple[str, int, int], ...]) -> None:
     """Each ``(option, full, quick)`` left unset gets its default for ``--quick`` or a full run;
-    every count given, and ``--threads``, must be >= 1 (``parser.error`` otherwise)."""
+    every count given, and ``--threads`` where there is one, must be >= 1 (``parser.error``
+    otherwise)."""
     for name, full, small in counts:
         value = getattr(args, name)
         if value is None:
             setattr(args, name, small if args.quick else full)
         elif value < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.threads < 1:
+    if getattr(args, "threads", 1) < 1:
         parser.error("--threads must be >= 1")
 
 
