@@ -85,12 +85,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="RSS growth is counted from the sample at this second (default 5; quick 1)")
     p.add_argument("--export-timeout", type=float, default=2.0,
                    help="PERFSDK_EXPORT_TIMEOUT in each child, seconds (default 2)")
+    p.add_argument("--switch-interval", type=float,
+                   help="sys.setswitchinterval() in each child, seconds (default: Python's, "
+                        "0.005): how long a thread waiting for the GIL waits at most before "
+                        "the holder is asked to let go")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"comma list of cases to run (default all: {','.join(CASES)})")
     args = p.parse_args(argv)
     fill_counts(p, args, (("seconds", 60, 3), ("sample_every", 5, 1), ("warmup", 5, 1)))
     if not 0 < args.export_timeout <= 86400:
         p.error("--export-timeout must be > 0 and <= 86400")
+    if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
+        p.error("--switch-interval must be > 0 and <= 1")
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in args.cases if c not in CASES]
     if unknown or not args.cases:
@@ -167,6 +173,8 @@ def run_case(case: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                "--sample-every", str(args.sample_every),
                "--warmup", str(args.warmup),
                "--export-timeout", str(args.export_timeout), "--output", str(result_path)]
+    if args.switch_interval is not None:
+        command += ["--switch-interval", str(args.switch_interval)]
     load_start = os.getloadavg()
     try:
         proc = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -206,6 +214,8 @@ def run_case(case: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 def child(args: argparse.Namespace) -> int:
     """Regions at full rate for ``args.seconds``; then return and let perfsdk's atexit run."""
     case = os.environ[CHILD_FLAG]
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     marks: dict[str, float] = {}
     final_path = args.output.with_suffix(".final.json")
 
@@ -319,6 +329,7 @@ def child(args: argparse.Namespace) -> int:
     sampler_thread.start()
     deadline = t_start[0] + args.seconds
     cpu0, thread_cpu0, sched0 = time.process_time(), time.thread_time(), schedstat()
+    threads0 = threads_cpu()
     gc.callbacks.append(on_gc)
     while True:
         for _ in range(BATCH):
@@ -336,6 +347,7 @@ def child(args: argparse.Namespace) -> int:
             break
     loop_s = time.monotonic() - t_start[0]
     cpu1, thread_cpu1, sched1 = time.process_time(), time.thread_time(), schedstat()
+    threads1 = threads_cpu()
     gc.callbacks.remove(on_gc)
     stop.set()
     sampler_thread.join()
@@ -354,6 +366,8 @@ def child(args: argparse.Namespace) -> int:
         "fold_s": folds[0],
         "cpu": {"process_s": cpu1 - cpu0, "caller_thread_s": thread_cpu1 - thread_cpu0,
                 "loop_wall_s": loop_s},
+        "threads_cpu_s": {name: cpu - threads0.get(name, 0.0)
+                          for name, cpu in sorted(threads1.items(), key=lambda kv: -kv[1])},
         "caller_sched": None if sched0 is None or sched1 is None else {
             "running_s": (sched1[0] - sched0[0]) / 1e9,
             "runnable_not_running_s": (sched1[1] - sched0[1]) / 1e9,
@@ -369,6 +383,19 @@ def child(args: argparse.Namespace) -> int:
     out["written_monotonic"] = time.monotonic()
     args.output.write_text(json.dumps(out, default=str))
     return 0  # exit: perfsdk's atexit shuts down within PERFSDK_EXPORT_TIMEOUT
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by name (from /proc/self/task): for a
+    Python thread, about the time it held the GIL."""
+    out: dict[str, float] = {}
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+                out[thread.name] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 def schedstat() -> list[int] | None:
@@ -419,6 +446,7 @@ def report(args: argparse.Namespace, cases: dict[str, Any], load: dict[str, Any]
         "benchmark": "perfsdk soak",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"quick": args.quick, "seconds": args.seconds,
+                     "switch_interval_s": args.switch_interval,
                      "sample_every_s": args.sample_every, "warmup_s": args.warm_s,
                      "export_timeout_s": args.export_timeout, "cases": args.cases,
                      "workload": 'with perfsdk.timed_region("soak", i=i): pass, one thread, '
@@ -526,6 +554,8 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{sched['running_s']:.1f} s, runnable but no CPU free (other processes) "
                   f"{sched['runnable_not_running_s']:.1f} s, blocked (the GIL) "
                   f"{sched['blocked_s']:.1f} s; {sched['timeslices']:,} timeslices")
+        print("    CPU by thread during the loop (s): " + ", ".join(
+            f"{name} {cpu:.1f}" for name, cpu in c["threads_cpu_s"].items()))
         print(f"    CPU during the loop: process {cpu['process_s']:.1f} s, caller thread "
               f"{cpu['caller_thread_s']:.1f} s of {cpu['loop_wall_s']:.1f} s wall; load average "
               f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}; gc "
