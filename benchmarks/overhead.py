@@ -91,6 +91,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         "PERFSDK_SAMPLE_EVERY": "1",
         "PERFSDK_EXPORTER": "none",
         "PERFSDK_EXPORT_TIMEOUT": "300",  # the whole-cost flush must not be cut short
+        "OTEL_BSP_MAX_QUEUE_SIZE": "1000000",  # nor its spans dropped by a full export queue
     })
     with tempfile.TemporaryDirectory(prefix="perfsdk-bench-") as tmp:
         try:
@@ -626,14 +627,15 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
 def fill_counts(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 counts: tuple[tuple[str, int, int], ...]) -> None:
     """Each ``(option, full, quick)`` left unset gets its default for ``--quick`` or a full run;
-    every count given, and ``--threads``, must be >= 1 (``parser.error`` otherwise)."""
+    every count given, and ``--threads`` where there is one, must be >= 1 (``parser.error``
+    otherwise)."""
     for name, full, small in counts:
         value = getattr(args, name)
         if value is None:
             setattr(args, name, small if args.quick else full)
         elif value < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.threads < 1:
+    if getattr(args, "threads", 1) < 1:
         parser.error("--threads must be >= 1")
 
 

@@ -7,16 +7,17 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_quick(script: Path, output: Path) -> tuple[dict[str, Any], str]:
-    """Run ``script --quick --output output``; its JSON results and its stdout."""
+def run_quick(script: Path, output: Path, extra: Sequence[str] = ()) -> tuple[dict[str, Any], str]:
+    """Run ``script --quick --output output *extra``; its JSON results and its stdout."""
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--output", str(output)],
+        [sys.executable, str(script), "--quick", "--output", str(output), *extra],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

@@ -129,3 +129,61 @@ def test_instrument_module_benchmark_checks_the_fast_path(instrument_module_run)
     fast = result["workloads"]["encoder_infer"]["fast_path_calls_per_forward"]
     assert fast == {"bare": 4, "instrumented": 4, "hooks_everywhere": 0}
     assert result["headline"]["encoder_fast_path_kept"] is True
+
+
+# -- benchmarks/soak.py --------------------------------------------------------------------------
+SOAK_SCRIPT = REPO_ROOT / "benchmarks" / "soak.py"
+SOAK_CASES = {"none", "dropping", "slow", "blackhole", "healthy"}
+REASONS = {"queue_full", "backing_off", "export_failed", "export_timeout", "shutdown"}
+
+
+@pytest.fixture(scope="module")
+def soak_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    return run_quick(SOAK_SCRIPT, tmp_path_factory.mktemp("bench") / "soak.json",
+                     ("--seconds", "1", "--export-timeout", "1"))
+
+
+def test_soak_runs_every_case(soak_run):
+    result, stdout = soak_run
+    assert result["settings"]["quick"] is True
+    assert result["settings"]["seconds"] == 1
+    assert set(result["cases"]) == SOAK_CASES
+    for name, case in result["cases"].items():
+        assert "error" not in case, (name, case.get("error"), case.get("stderr"))
+        assert case["returncode"] == 0, (name, case["stderr"])
+        assert case["regions"] > 0, name
+        assert positive(case["regions_per_s"]), name
+        lat = case["latency_us"]
+        assert lat["count"] == case["regions"] - 1, name  # the first region is reported apart
+        assert 0 < lat["p50"] <= lat["p99"] <= lat["p99_9"] <= lat["max"], (name, lat)
+        assert case["samples"], name
+        assert all(s["rss_mib"] > 0 for s in case["samples"]), name
+        assert positive(case["exit_s"]), name
+    targets = {(t["case"], t["name"]) for t in result["targets"]}
+    for name in SOAK_CASES:
+        assert {(name, t) for t in ("rss_growth", "account", "p99_9", "exit")} <= targets
+    assert "targets (issue 13)" in stdout
+
+
+def test_soak_account_balances_after_shutdown(soak_run):
+    """Deterministic, not a timing: after perfsdk's exit shutdown every span produced is exported
+    or lost with a reason, in every case."""
+    result, _ = soak_run
+    for name, case in result["cases"].items():
+        final = case["final"]["diagnostics"]
+        assert set(final["spans_lost"]) == REASONS, name
+        assert final["spans_pending"] == 0, (name, final)
+        assert final["spans_exported"] + sum(final["spans_lost"].values()) == \
+            final["spans_produced"], (name, final)
+        assert case["account"]["balance"] == 0, name
+    cases = result["cases"]
+    assert cases["none"]["final"]["diagnostics"]["spans_produced"] == 0
+    assert cases["dropping"]["final"]["diagnostics"]["spans_exported"] == 0
+    for name in ("dropping", "slow", "blackhole", "healthy"):
+        assert cases[name]["final"]["diagnostics"]["spans_produced"] > 0, name
+    assert cases["healthy"]["final"]["diagnostics"]["spans_exported"] > 0
+    # A batch counts as exported once the receiver has answered, so it received at least those
+    # (more if an answer came after the exit budget: counted lost, ``shutdown``).
+    healthy = cases["healthy"]
+    assert healthy["collector"]["spans_received"] >= \
+        healthy["final"]["diagnostics"]["spans_exported"]
