@@ -91,7 +91,6 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         "PERFSDK_SAMPLE_EVERY": "1",
         "PERFSDK_EXPORTER": "none",
         "PERFSDK_EXPORT_TIMEOUT": "300",  # the whole-cost flush must not be cut short
-        "OTEL_BSP_MAX_QUEUE_SIZE": "1000000",  # nor its spans dropped by a full export queue
     })
     with tempfile.TemporaryDirectory(prefix="perfsdk-bench-") as tmp:
         try:

@@ -204,7 +204,7 @@ class Pipeline:
             self.drain(wait=bool(tickets))
             for ticket in tickets:
                 ticket.done.set()
-            if final or self._stopping:
+            if final:  # only once the final request is served: shutdown waits for it
                 return
 
     def _guard(self, fn: Callable[[], object], key: str) -> None:
@@ -380,7 +380,9 @@ class Pipeline:
                 queue, queued = self._queue, len(self._queue)
                 for _ in range(queued):
                     queue.popleft()
-                stuck = queued + len(self._waiting) + self._in_hand
+                with self._overflow_lock:
+                    spilled, self.overflowed, self._overflow = self.overflowed, 0, {}
+                stuck = queued + len(self._waiting) + self._in_hand + spilled
                 self._waiting = []
                 if stuck and self.on_lost is not None:
                     self.on_lost(stuck, "shutdown")

@@ -189,3 +189,36 @@ def test_regions_still_pending_when_the_exit_budget_runs_out_are_counted(fake_cu
 
 
 LONG = 30.0
+
+
+def test_shutdown_during_a_busy_round_still_hands_over_everything() -> None:
+    """Exit while the pipeline thread is in the middle of a round: the final request is served
+    after that round (it used to end the thread unserved, so shutdown waited out its whole
+    budget and the regions still queued were neither delivered nor counted)."""
+    pipe = Pipeline(interval=0.01)
+    entered, release = threading.Event(), threading.Event()
+    seen = Recorder()
+
+    class Busy(Recorder):
+        def consume(self, records: list[Any]) -> None:
+            super().consume(records)
+            if not entered.is_set():
+                entered.set()
+                release.wait(LONG)
+
+    busy = Busy()
+    pipe.sinks += [busy, seen]
+    pipe.start()
+    spec = RegionSpec.create("busy")
+    for i in range(10):
+        pipe.submit(record(spec, i, i + 1))
+    pipe.wake()
+    assert entered.wait(LONG)  # the thread is inside a round
+    for i in range(1000):
+        pipe.submit(record(spec, i, i + 1))
+    timer = threading.Timer(0.2, release.set)  # the round ends after shutdown has begun
+    timer.start()
+    pipe.shutdown(LONG)
+    timer.join()
+    assert len(seen.records) == 1010
+    assert pipe.pending == 0
