@@ -112,6 +112,7 @@ class Pipeline:
         self._tickets: deque[_Ticket] = deque()
         self._in_hand = 0
         self._abandoned = 0
+        self._hand_lock = threading.Lock()
         self._set_up = threading.Event()
         self._ready_hook = False
         self._thread: threading.Thread | None = None
@@ -266,29 +267,36 @@ class Pipeline:
         try:
             self._deliver_overflow()
             batch, self._waiting = self._waiting, []
-            queue = self._queue
-            while queue:
-                batch.append(queue.popleft())
             self._in_hand = len(batch)
+            queue = self._queue
+            for _ in range(len(queue)):
+                batch.append(queue.popleft())
+                self._in_hand += 1
             ready: list[Any] = []
+            waiting: list[Any] = []
             gate = self.gate
             for rec in batch:
                 if gate is not None and not wait and not gate(rec[T1]):
-                    self._waiting.append(rec)  # e.g. the GPU sampler has not passed its end yet
+                    waiting.append(rec)  # e.g. the GPU sampler has not passed its end yet
                 elif rec[END] is None:
                     ready.append(rec)
                 else:
                     resolved = self.resolve(rec, wait)
                     if resolved is None:
-                        self._waiting.append(rec)
+                        waiting.append(rec)
                     else:
                         ready.append(resolved)
             del batch
-            if abandoned != self._abandoned:  # exit counted these as lost meanwhile
-                self._waiting = []
-                return 0
-            for i in range(0, len(ready), CHUNK):
-                self._deliver(ready[i:i + CHUNK])
+            for i in range(0, max(len(ready), 1), CHUNK):
+                with self._hand_lock:  # exit's count of what is left sees whole chunks only
+                    if abandoned != self._abandoned:  # exit counted the rest as lost
+                        return i
+                    if i == 0:
+                        self._waiting = waiting + self._waiting
+                        self._in_hand = len(ready)
+                    if ready:
+                        self._deliver(ready[i:i + CHUNK])
+                    self._in_hand = max(0, len(ready) - i - CHUNK)
             return len(ready)
         finally:
             self._in_hand = 0
@@ -376,14 +384,15 @@ class Pipeline:
             if not ticket.done.wait(max(0.0, deadline - time.monotonic())):
                 # e.g. waiting for a GPU that does not finish: what is left is counted, and
                 # neither the drain in progress nor a later one delivers it.
-                self._abandoned += 1
-                queue, queued = self._queue, len(self._queue)
-                for _ in range(queued):
-                    queue.popleft()
-                with self._overflow_lock:
-                    spilled, self.overflowed, self._overflow = self.overflowed, 0, {}
-                stuck = queued + len(self._waiting) + self._in_hand + spilled
-                self._waiting = []
+                with self._hand_lock:
+                    self._abandoned += 1
+                    queue, queued = self._queue, len(self._queue)
+                    for _ in range(queued):
+                        queue.popleft()
+                    with self._overflow_lock:
+                        spilled, self.overflowed, self._overflow = self.overflowed, 0, {}
+                    stuck = queued + len(self._waiting) + self._in_hand + spilled
+                    self._waiting = []
                 if stuck and self.on_lost is not None:
                     self.on_lost(stuck, "shutdown")
         else:
