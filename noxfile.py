@@ -80,3 +80,12 @@ def docs(session: nox.Session) -> None:
     install(session)
     session.run("python", "-m", "tests.test_docs_examples", "--write-reference")
     session.run("python", "-m", "pytest", "tests/test_docs_examples.py", "-q", *session.posargs)
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The test suite with two CPU-bound processes beside it (``.ci/stress``): timing must not
+    decide any test. Arguments go to pytest: ``nox -s stress -- tests/unit -x``."""
+    install(session)
+    session.run(str(ROOT / ".ci" / "stress"), *session.posargs,
+                env={"PYTHON": str(Path(session.bin) / "python")}, external=True)
