@@ -17,7 +17,6 @@ from perfsdk import _device
 __all__ = ["EventPool", "epoch_ns", "event_pool"]
 
 
-
 def _anchor(tries: int = 5) -> int:
     """``time_ns() - perf_counter_ns()`` from the tightest of a few bracketed readings: a
     preemption between the two reads (a busy machine) would otherwise skew every timestamp."""
