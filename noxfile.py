@@ -1,5 +1,6 @@
 """Developer sessions: ``nox -s tests``, ``integrations``, ``lint``, ``typecheck``, ``bench``,
-``examples``, ``docs``.
+``examples``, ``docs``, ``stress`` (the tests beside two busy processes) and ``gpu`` (on a GPU
+machine: every CUDA path, with a report).
 
 CI does not need nox: ``.ci/run`` does the same with a plain venv. Arguments after ``--`` reach
 the tool each session runs, e.g. ``nox -s tests -- -k otlp -x``.
@@ -89,3 +90,12 @@ def gpu(session: nox.Session) -> None:
     current environment, which needs a CUDA build of torch and ``pip install -e '.[dev]'``:
     installing here would pull the CPU build. ``nox -s gpu -- --no-bench -- -k graphs``."""
     session.run("python", ".ci/gpu.py", *session.posargs, external=True)
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The test suite with two CPU-bound processes beside it (``.ci/stress``): timing must not
+    decide any test. Arguments go to pytest: ``nox -s stress -- tests/unit -x``."""
+    install(session)
+    session.run(str(ROOT / ".ci" / "stress"), *session.posargs,
+                env={"PYTHON": str(Path(session.bin) / "python")}, external=True)

@@ -24,8 +24,8 @@ from torch import nn
 
 import perfsdk
 
-STEPS_PER_EPOCH = 100
-EPOCHS = 4
+STEPS_PER_EPOCH = 50
+EPOCHS = 3
 BATCH = 64
 FEATURES = 32
 CLASSES = 4

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import time
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -27,7 +26,7 @@ import torch
 
 from perfsdk import config as _config
 from perfsdk.distributed import step_trace_id
-from perfsdk.region import Region, RegionSpec
+from perfsdk.region import Region, RegionSpec, now_ns
 
 __all__ = ["PHASES", "Schedule", "Step", "StepListener", "Steps", "schedule"]
 
@@ -35,7 +34,6 @@ PHASES = ("wait", "warmup", "active", "done")
 """What :meth:`Schedule.phase` returns; only ``active`` steps are recorded."""
 
 _state = _config.state
-_perf_ns = time.perf_counter_ns
 _is_compiling = torch.compiler.is_dynamo_compiling
 
 
@@ -232,11 +230,13 @@ class Steps:
         self.current = None
         region, step.region = step.region, None
         if region is not None:
+            t1 = 0
             if step.samples is not None and region.t0:
-                seconds = (_perf_ns() - region.t0) / 1e9
+                t1 = now_ns()  # the step ends at this reading: its rate is samples / its time
+                seconds = (t1 - region.t0) / 1e9
                 if seconds > 0:
                     region.set_attribute("perfsdk.samples_per_s", step.samples / seconds)
-            region.exit(error)
+            region.exit(error, t1)
         if self._paused:
             self._pause(False)
         for listener in list(self.listeners):

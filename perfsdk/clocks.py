@@ -16,7 +16,21 @@ from perfsdk import _device
 
 __all__ = ["EventPool", "epoch_ns", "event_pool"]
 
-_ANCHOR_NS = time.time_ns() - time.perf_counter_ns()
+
+def _anchor(tries: int = 5) -> int:
+    """``time_ns() - perf_counter_ns()`` from the tightest of a few bracketed readings: a
+    preemption between the two reads (a busy machine) would otherwise skew every timestamp."""
+    best_width, best = -1, 0
+    for _ in range(tries):
+        before = time.perf_counter_ns()
+        wall = time.time_ns()
+        after = time.perf_counter_ns()
+        if best_width < 0 or after - before < best_width:
+            best_width, best = after - before, wall - (before + after) // 2
+    return best
+
+
+_ANCHOR_NS = _anchor()
 
 
 def epoch_ns(perf_ns: int) -> int:

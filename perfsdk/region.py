@@ -15,7 +15,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any
 
@@ -30,9 +30,10 @@ from perfsdk.pipeline import FORK as _FORK
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult
 
-__all__ = ["Region", "RegionResult", "RegionSpec", "validate_attributes"]
+__all__ = ["Region", "RegionResult", "RegionSpec", "now_ns", "set_host_clock",
+           "validate_attributes"]
 
-_perf_ns = time.perf_counter_ns
+_perf_ns = time.perf_counter_ns  # the host clock regions read (perfsdk.testing can swap it)
 _ids = random.Random()  # a generator of our own, seeded from os.urandom: a program's
 # random.seed() (Lightning's seed_everything and isolate_rng, identically seeded DDP ranks)
 # must not make trace and span ids repeat; reseeded in forked children (DataLoader workers)
@@ -50,6 +51,19 @@ _event_pool = clocks.event_pool
 _submit = PIPELINE.submit
 
 AttributeValue = str | bool | int | float | tuple[Any, ...] | list[Any]
+
+
+def now_ns() -> int:
+    """The host clock that regions read (``perf_counter_ns`` unless a test swapped it)."""
+    return _perf_ns()
+
+
+def set_host_clock(clock: Callable[[], int]) -> Callable[[], int]:
+    """Make regions read ``clock`` (ns) instead of ``time.perf_counter_ns``; return the previous
+    clock. For :func:`perfsdk.testing.use_fake_clock`, which restores it."""
+    global _perf_ns
+    previous, _perf_ns = _perf_ns, clock
+    return previous
 
 
 def validate_attributes(attributes: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
@@ -250,14 +264,17 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             else:
                 dom.pop_range()
 
-    def exit(self, error: BaseException | None = None) -> None:
+    def exit(self, error: BaseException | None = None, t1: int = 0) -> None:
+        """End the region; ``t1``: a host clock reading (:func:`now_ns`) taken by the caller
+        just before, to end at (a step computes its rate from it), else the clock now."""
         if not self._timed:
             self._close_nvtx()
             return
         if self._gen != _FORK.generation:
             self._forget()
             return
-        t1 = _perf_ns()
+        if not t1:
+            t1 = _perf_ns()
         start = self.start_event
         end = None
         if start is not None:

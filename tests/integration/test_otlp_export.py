@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -264,19 +265,23 @@ def test_user_provider_gets_nothing_added(user_provider: Exported) -> None:
 # -- unreachable collector -------------------------------------------------------------------
 @pytest.mark.parametrize("protocol", list(PROTOCOLS))
 def test_unreachable_collector(protocol: OTLPProtocol, tmp_path: Path) -> None:
+    # OTel's own exporter timeout is left at its default (10 s): flush and exit bounded by
+    # PERFSDK_EXPORT_TIMEOUT (2 s) and ones that wait for OTel's timeout lie 8 s apart, so the
+    # bounds below hold on a busy machine and still tell the two apart.
     env = clean_env(
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{unused_port()}",
         OTEL_EXPORTER_OTLP_PROTOCOL=PROTOCOLS[protocol],
-        OTEL_EXPORTER_OTLP_TIMEOUT="2",
         PERFSDK_EXPORTER="otlp",
         PERFSDK_EXPORT_TIMEOUT="2",
     )
-    run = run_script("unreachable_app.py", env=env, result=tmp_path / "result.json", timeout=60)
+    run = run_script("unreachable_app.py", env=env, result=tmp_path / "result.json", timeout=120)
+    exited_ns = time.monotonic_ns()
     run.check()
-    # The program computed the same results and exited within a bound.
+    # The program computed the same results, and flush and exit waited at most the timeout.
     assert run.result["values"] == [120 * i for i in range(250)]
-    assert run.wall_s < 15, f"took {run.wall_s:.1f} s"
-    assert run.result["flush_s"] < 2 + 1.5  # flush waits at most PERFSDK_EXPORT_TIMEOUT
+    assert run.result["flush_s"] < 2 + 4, run.result["flush_s"]
+    exit_s = (exited_ns - run.result["written_ns"]) / 1e9
+    assert exit_s < 2 + 4, f"exit took {exit_s:.1f} s"
     # One clear warning; OpenTelemetry's per-batch retry messages do not reach the user.
     assert len(SPAN_WARNING.findall(run.stderr)) == 1, run.stderr
     lines = run.stderr.lower().splitlines()

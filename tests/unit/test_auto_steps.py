@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import time
 import warnings
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ from perfsdk.config import state
 from perfsdk.context import current_span
 from perfsdk.errors import NoEffectWarning
 from perfsdk.region import Region
-from perfsdk.testing import capture
+from perfsdk.testing import capture, use_fake_clock
 
 
 @pytest.fixture(autouse=True)
@@ -41,23 +40,31 @@ def work() -> None:
 
 
 def test_step_region_attributes_and_samples_per_second():
-    with capture() as cap:
+    with use_fake_clock() as clock, capture() as cap:
         with auto.step(samples=64) as s:
-            time.sleep(0.02)
+            clock.advance(20)
         assert s.index == 0
         assert s.recorded
         with auto.step():
-            pass
+            clock.advance(5)
     first, second = cap.named("step")
     assert first.attributes["perfsdk.step"] == 0
     assert second.attributes["perfsdk.step"] == 1
     assert first.attributes["perfsdk.category"] == "step"
     assert first.attributes["perfsdk.samples"] == 64
-    rate = first.attributes["perfsdk.samples_per_s"]
-    # set just before the region's end: consistent with the region's own duration
-    assert 0.5 * 64 / (first.host_ms / 1e3) < rate <= 64 / (first.host_ms / 1e3) * 1.001
+    assert (first.host_ms, second.host_ms) == (20.0, 5.0)
+    # set at the step's end, from the same clock reading that ends its region
+    assert first.attributes["perfsdk.samples_per_s"] == 64 / 0.020
     assert "perfsdk.samples" not in second.attributes
     assert "perfsdk.samples_per_s" not in second.attributes
+
+
+def test_samples_per_s_is_samples_over_the_steps_own_real_duration():
+    with capture() as cap, auto.step(samples=8):
+        torch.ones(64, 64).sum()
+    (step,) = cap.named("step")
+    seconds = (step.end_ns - step.start_ns) / 1e9
+    assert step.attributes["perfsdk.samples_per_s"] == pytest.approx(8 / seconds, rel=1e-12)
 
 
 def test_regions_inside_a_step_nest_under_it():

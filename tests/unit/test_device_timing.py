@@ -15,7 +15,7 @@ from perfsdk import _device, clocks, profiled, timed_region
 from perfsdk.errors import counts
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import FakeCuda, FakeEvent, FakeStream, use_fake_cuda
-from tests.waiting import wait_until
+from tests.waiting import one_pipeline_round, wait_until
 
 
 def pending():
@@ -318,8 +318,7 @@ def test_a_later_region_exit_wakes_the_poller_for_a_finished_one(fake_cuda, capt
                                                                  monkeypatch):
     """Regions resolve at later region exits, not only at the poller's interval."""
     monkeypatch.setattr(PIPELINE, "interval", 3600.0)
-    PIPELINE.wake()  # the thread now sleeps an hour between rounds unless woken...
-    time.sleep(0.1)  # ...once it has run the round this wake-up started
+    one_pipeline_round()  # the thread now sleeps an hour between rounds unless woken
     with timed_region("first"):
         fake_cuda.launch(3.0)
     PIPELINE.drain(wait=False)  # "first" now waits for the GPU
@@ -329,6 +328,6 @@ def test_a_later_region_exit_wakes_the_poller_for_a_finished_one(fake_cuda, capt
     assert pending() == 1  # nobody looked yet
     with timed_region("second"):
         pass  # its exit queries the oldest waiting region and wakes the thread
-    assert wait_until(lambda: [r.name for r in captured.regions][:1] == ["first"], 2.0)
+    assert wait_until(lambda: [r.name for r in captured.regions][:1] == ["first"])
     assert captured.named("first")[0].device_ms == 3.0
     assert fake_cuda.sync_calls == []

@@ -3,8 +3,6 @@ initialized, records wait until it has read past their end, and nothing breaks w
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import perfsdk
@@ -13,8 +11,8 @@ from perfsdk._fake_nvml import FakeGpu, FakeNvml
 from perfsdk.config import configure
 from perfsdk.gpu import TELEMETRY
 from perfsdk.pipeline import PIPELINE
-from perfsdk.testing import capture
-from tests.waiting import wait_until
+from perfsdk.testing import FakeClock, capture, use_fake_clock
+from tests.waiting import one_pipeline_round, wait_until
 
 
 @pytest.fixture
@@ -24,27 +22,45 @@ def telemetry():
     TELEMETRY.reset()
 
 
+STEP = 10_000_000  # ns: the fake NVML's clock moves this much at each sampling round
+
+
 def test_region_spans_carry_gpu_readings(fake_cuda, telemetry):
+    """The sampler and the regions read one fake clock, which each sampling round moves by STEP:
+    the region spans whole rounds, so its readings are exact."""
     fake = FakeNvml([FakeGpu("GPU-aaaa", power_w=lambda t: 150.0,
-                             utilization=lambda t: 80.0, temperature_c=lambda t: 61.0)])
-    telemetry.nvml, telemetry.device_uuids = fake, fake.uuids
+                             utilization=lambda t: 80.0, temperature_c=lambda t: 61.0)],
+                    step_ns=STEP)
+    host = FakeClock(0)
+
+    def sampler_clock() -> int:  # a round's stamp is the regions' time from then on
+        host.ns = fake.clock()
+        return host.ns
+
+    telemetry.nvml, telemetry.device_uuids, telemetry.clock = fake, fake.uuids, sampler_clock
     configure(gpu_sample_interval_s=0.01)
     PIPELINE.start()
     PIPELINE.wake()
     assert wait_until(lambda: telemetry.sampler is not None)
-    with capture() as cap:
+    sampler = telemetry.sampler
+    assert wait_until(lambda: sampler.overhead().rounds >= 1)
+    with use_fake_clock(host), capture() as cap:
         with perfsdk.timed_region("gpu.work"):
-            time.sleep(0.1)
+            rounds = sampler.overhead().rounds
+            assert wait_until(lambda: sampler.overhead().rounds >= rounds + 5)
         fake_cuda.complete_all()
-        assert wait_until(lambda: cap.named("gpu.work"), 5.0)  # once the sampler passed its end
+        assert wait_until(lambda: cap.named("gpu.work"))  # once the sampler passed its end
     [region] = cap.named("gpu.work")
     attrs = cap.span("gpu.work").attributes
+    rounds_spanned = round(region.host_ms * 1e6 / STEP)
+    assert region.host_ms == rounds_spanned * STEP / 1e6
+    assert rounds_spanned >= 4
     assert attrs["perfsdk.gpu.uuid"].lower().endswith("aaaa")
     assert attrs["perfsdk.gpu.power_w"] == pytest.approx(150.0)
     assert attrs["hw.gpu.utilization"] == pytest.approx(0.8)
     assert attrs["perfsdk.gpu.temperature_max_c"] == 61.0
-    assert attrs["perfsdk.gpu.energy_j"] == pytest.approx(150.0 * region.host_ms / 1000, rel=0.05)
-    assert attrs["perfsdk.gpu.samples"] >= 5
+    assert attrs["perfsdk.gpu.energy_j"] == pytest.approx(150.0 * region.host_ms / 1000)
+    assert attrs["perfsdk.gpu.samples"] == rounds_spanned + 1  # the rounds at both ends too
     # NVML is read only on the sampler's own thread, never the caller's
     assert {t for n, t in fake.threads if n.startswith("nvmlDeviceGet")} == {"perfsdk-nvml"}
     assert perfsdk.diagnostics()["gpu_sampling"] == "on"
@@ -61,7 +77,7 @@ def test_short_regions_say_so(fake_cuda, telemetry):
         with perfsdk.timed_region("gpu.blip"):
             pass
         fake_cuda.complete_all()
-        assert wait_until(lambda: cap.named("gpu.blip"), 5.0)
+        assert wait_until(lambda: cap.named("gpu.blip"))
     attrs = cap.span("gpu.blip").attributes
     assert attrs["perfsdk.gpu.window_too_short"] is True
     assert "perfsdk.gpu.power_w" not in attrs
@@ -73,8 +89,7 @@ def test_no_sampling_without_cuda(telemetry):
     configure(gpu_sample_interval_s=0.01)
     with capture() as cap, perfsdk.timed_region("cpu.only"):
         pass
-    PIPELINE.wake()
-    time.sleep(0.1)
+    one_pipeline_round()  # its hook asks whether to start sampling: not without CUDA
     assert telemetry.sampler is None
     assert fake.calls["nvmlInit"] == 0
     assert not any(k.startswith("perfsdk.gpu") for k in cap.span("cpu.only").attributes)

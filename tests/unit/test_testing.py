@@ -1,15 +1,17 @@
-"""perfsdk.testing: the in-memory capture and the fake CUDA device, as users would use them."""
+"""perfsdk.testing: the in-memory capture, the fake CUDA device and the fake host clock, as users
+would use them."""
 
 from __future__ import annotations
 
 import doctest
+import time
 
 import pytest
 
 import perfsdk
-from perfsdk import _device, profiled, timed_region
+from perfsdk import _device, clocks, profiled, region, timed_region
 from perfsdk.pipeline import PIPELINE
-from perfsdk.testing import Capture, FakeCuda, capture, use_fake_cuda
+from perfsdk.testing import Capture, FakeClock, FakeCuda, capture, use_fake_clock, use_fake_cuda
 
 
 def test_capture_collects_regions_and_spans_of_its_block_only():
@@ -170,3 +172,24 @@ def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert tried > 0
     assert failures == 0
+
+
+def test_fake_clock_times_regions_spans_and_steps_exactly_and_is_put_back():
+    with use_fake_clock(FakeClock(5_000_000_000)) as clock, capture() as cap, \
+            timed_region("outer"):
+        clock.advance(2.5)
+        with timed_region("inner"):
+            clock.advance(1)
+        with perfsdk.step(samples=10):
+            clock.advance(4)
+    outer, inner, step = cap.named("outer")[0], cap.named("inner")[0], cap.named("step")[0]
+    assert (outer.host_ms, inner.host_ms, step.host_ms) == (7.5, 1.0, 4.0)
+    assert inner.start_ns == clocks.epoch_ns(5_000_000_000 + 2_500_000)
+    assert cap.span("inner").start_time == inner.start_ns  # the span has the same times
+    assert cap.span("outer").end_time - cap.span("outer").start_time == 7_500_000
+    assert step.attributes["perfsdk.samples_per_s"] == 10 / 0.004
+    before = time.perf_counter_ns()
+    now = region.now_ns()
+    assert before <= now <= time.perf_counter_ns()  # the real clock again
+    with pytest.raises(ValueError, match="ms="):
+        clock.advance(-1)

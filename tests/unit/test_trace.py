@@ -124,14 +124,14 @@ def test_two_threads_get_two_named_lanes(tmp_path: Path) -> None:
         with perfsdk.timed_region("on-worker"):
             pass
         done.set()
-        leave.wait(10)
+        leave.wait(60)
 
     thread = threading.Thread(target=work, name="worker-7")
     with capture() as cap:
         thread.start()
         with perfsdk.timed_region("on-main"):
             pass
-        done.wait(10)
+        done.wait(60)
         perfsdk.flush()
         data = load(write_trace(tmp_path / "t.json", cap.regions))
         leave.set()

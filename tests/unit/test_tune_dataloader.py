@@ -62,21 +62,56 @@ def cpu_only(monkeypatch):
     monkeypatch.setattr(dl, "_accelerator_available", lambda: False)
 
 
-def test_workers_beat_the_main_process_on_a_slow_dataset(no_leaks):
+def test_real_workers_on_a_slow_dataset_are_measured_and_the_fastest_kept(no_leaks):
+    """Real worker processes: every row measured, the numbers consistent, the fastest setting
+    (or a simpler one within 3% of it) kept. Which one is fastest is this machine's answer;
+    the choice itself is checked on chosen numbers below."""
     data = Items(16 * 8, sleep_s=0.002)  # 16 batches: the trial stays in one epoch
     tuning = tune_dataloader(data, 8, num_workers=(0, 2), pin_memory=(False,),
                              persistent_workers=(False,), prefetch_factor=(2,), batches=10,
                              progress=False)
     assert [r["num_workers"] for r in tuning.rows] == [0, 2]
-    main, workers = tuning.rows
-    assert workers["samples_per_s"] > 1.3 * main["samples_per_s"], tuning.table()
-    assert tuning.best == {"num_workers": 2, "pin_memory": False, "persistent_workers": False,
-                           "prefetch_factor": 2}
     for row in tuning.rows:
         assert row["error"] is None
+        assert row["batches_per_s"] == pytest.approx(10 / row["seconds"])
         assert row["samples_per_s"] == pytest.approx(8 * row["batches_per_s"])
+    main = tuning.rows[0]  # in the main process the timed batches hold all their sleeps
+    assert main["seconds"] >= 10 * 8 * 0.002
+    top = max(r["samples_per_s"] for r in tuning.rows)
+    kept = next(r for r in tuning.rows if r["samples_per_s"] >= 0.97 * top)
+    assert tuning.best["num_workers"] == kept["num_workers"]
     loader = DataLoader(data, batch_size=8, **tuning.best)  # ready to use as is
-    assert loader.num_workers == 2
+    assert loader.num_workers == kept["num_workers"]
+
+
+def test_a_trial_times_the_batches_after_two_warm_up_ones(monkeypatch, cpu_only):
+    """On a fake clock that only ``consume`` moves: 2 warm-up batches of 30 ms, then 5 timed
+    ones of 10 ms (startup_s counts the warm-up, the rates only the timed batches)."""
+    now = [0.0]
+    monkeypatch.setattr(dl, "_now", lambda: now[0])
+    costs = iter([0.030, 0.030] + [0.010] * 5)
+
+    def consume(batch):
+        now[0] += next(costs)
+
+    tuning = tune_dataloader(Items(40), 4, num_workers=(0,), pin_memory=(False,), batches=5,
+                             consume=consume, progress=False)
+    (row,) = tuning.rows
+    assert row["startup_s"] == pytest.approx(0.060)
+    assert row["seconds"] == pytest.approx(0.050)
+    assert row["batches_per_s"] == pytest.approx(100.0)
+    assert row["samples_per_s"] == pytest.approx(400.0)
+
+
+def test_workers_win_when_they_measure_faster(monkeypatch):
+    speed = {0: 100.0, 2: 180.0, 4: 175.0}
+    monkeypatch.setattr(dl, "_trial", lambda d, b, kwargs, n, c: {
+        "batches_per_s": speed[kwargs["num_workers"]],
+        "samples_per_s": 8 * speed[kwargs["num_workers"]], "startup_s": 0.0, "seconds": 1.0})
+    tuning = tune_dataloader(Items(8), 8, num_workers=(0, 2, 4), pin_memory=(False,),
+                             persistent_workers=(False,), prefetch_factor=(2,), progress=False)
+    assert tuning.best == {"num_workers": 2, "pin_memory": False, "persistent_workers": False,
+                           "prefetch_factor": 2}  # 4 workers, 3% slower, come later
 
 
 def test_table_lists_every_tried_combination_and_workers_are_torn_down(no_leaks, cpu_only):

@@ -2,7 +2,8 @@
 
 Run as ``python metrics_app.py RESULT_JSON``. It runs ``fwd`` five times, ``bwd`` three times and
 ``explode`` (raising ValueError) twice, writes each region's host_ms to the result, calls
-``perfsdk.flush()`` and exits (perfsdk's exit shutdown exports once more).
+``perfsdk.flush()`` and exits (perfsdk's exit shutdown exports once more). ``written_ns`` in the
+result is ``time.monotonic_ns()`` when it was written, so a test can time the exit alone.
 
 The script uses the MetricsSink already in perfsdk's pipeline, or adds one if perfsdk does not
 register one itself yet.
@@ -11,6 +12,7 @@ register one itself yet.
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import perfsdk
@@ -34,4 +36,5 @@ for _ in range(2):
     except ValueError:
         host_ms["explode"].append(r.host_ms)
 perfsdk.flush()
-Path(sys.argv[1]).write_text(json.dumps({"pid": os.getpid(), "host_ms": host_ms}))
+Path(sys.argv[1]).write_text(json.dumps({"pid": os.getpid(), "host_ms": host_ms,
+                                         "written_ns": time.monotonic_ns()}))

@@ -1,7 +1,8 @@
 """An instrumented loop whose collector is down. Run as ``python unreachable_app.py RESULT_JSON``.
 
 The result JSON is written before interpreter exit, so the test can compare the computed
-values and, separately, time how long exit takes.
+values and, separately, time how long exit takes: ``written_ns`` is ``time.monotonic_ns()`` when
+it was written (CLOCK_MONOTONIC, the same clock in every process).
 """
 
 import json
@@ -28,7 +29,7 @@ def main() -> None:
     more = [train_step(x, i) for i in range(200, 250)]  # regions after the failure still work
     with open(sys.argv[1], "w", encoding="utf-8") as fh:
         json.dump({"values": values + more, "flush_s": flush_s,
-                   "diagnostics": perfsdk.diagnostics()}, fh)
+                   "diagnostics": perfsdk.diagnostics(), "written_ns": time.monotonic_ns()}, fh)
 
 
 if __name__ == "__main__":
