@@ -36,15 +36,19 @@ import logging
 import os
 import random
 import re
+import socket
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfsdk.errors import warn_once
 
-__all__ = ["CAPTURE", "REASONS", "Backoff", "Destination", "capture_logs", "classify"]
+__all__ = ["CAPTURE", "REASONS", "Backoff", "Destination", "capture_logs", "classify",
+           "note_failure",
+           "probe"]
 
 REASONS = ("queue_full", "backing_off", "export_failed", "export_timeout", "shutdown")
 """Why a span was lost, in the order :func:`perfsdk.diagnostics` lists them."""
@@ -114,6 +118,14 @@ for _name in _EXPORTER_LOGGERS:
     logging.getLogger(_name).addFilter(CAPTURE)
 
 
+def note_failure(text: str) -> None:
+    """Add ``text`` to this thread's captured export log, when an export is being captured
+    (e.g. the HTTP status a transport saw)."""
+    kept = getattr(_Capture.local, "kept", None)
+    if kept is not None and len(kept) < 8:
+        kept.append(text)
+
+
 class capture_logs:  # used like a function, as a context manager
     """``with capture_logs() as kept:`` the exporter log lines of this thread land in ``kept``."""
 
@@ -157,6 +169,30 @@ def classify(text: str) -> tuple[str, str]:
         return "export_failed", "unknown host"
     first = text.strip().splitlines()[0] if text.strip() else "the exporter reported failure"
     return "export_failed", first[:200]
+
+
+def probe(url: str, timeout: float = 0.5) -> str | None:
+    """What a TCP connect to ``url``'s host and port finds: ``connection refused``, ``unknown
+    host``, or None (it connects, or does not answer in time). OpenTelemetry's exporters say
+    only "timeout, max retries or shutdown" when their retries run out; this names the cause.
+    Runs on an export thread, never the caller's."""
+    try:
+        parts = urllib.parse.urlsplit(url if "//" in url else f"//{url}")
+        host = parts.hostname
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if not host:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return "connection refused"
+    except socket.gaierror:
+        return "unknown host"
+    except OSError:
+        return None
+    return None
 
 
 class Destination:
@@ -425,6 +461,10 @@ class Destination:
             self.backoff.succeeded()
             return True, ""
         reason, cause = classify(text)
+        if cause == "timeout" and "max retries" in text:  # the exporter gave up: why?
+            found = probe(self.target.split(" ", 1)[0])
+            if found is not None:
+                reason, cause = "export_failed", found
         self.cause = cause
         rest = self.backoff.failed()
         warn_once(f"export:{self.label}",

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, Sp
 
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
+from perfsdk.export.delivery import note_failure
 
 __all__ = ["bounded", "describe", "make_exporter", "otlp_exporter", "otlp_target"]
 
@@ -45,8 +46,37 @@ def otlp_exporter(export_timeout: float = 5.0) -> SpanExporter:
         # OTel's default is 10 s of retries per batch; without the user's own choice, keep one
         # batch within perfsdk's bound (OTEL_BSP_EXPORT_TIMEOUT, else PERFSDK_EXPORT_TIMEOUT).
         timeout = export_timeout
-    exporter: SpanExporter = OTLPSpanExporter(timeout=timeout)
+    session = None if protocol == "grpc" else _status_session()
+    if session is not None:
+        exporter: SpanExporter = OTLPSpanExporter(timeout=timeout, session=session)  # type: ignore[call-arg]
+    else:
+        exporter = OTLPSpanExporter(timeout=timeout)
     return exporter
+
+
+_CREDENTIAL_VARS = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+                    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER")
+
+
+def _status_session() -> Any:
+    """A requests session that notes each HTTP error status in the export thread's captured
+    log (``code: 503``), so a failure names its status even when OpenTelemetry's exporter says
+    only that its retries ran out. None where the user configured a session of their own (a
+    credential provider) or requests is missing: OpenTelemetry's default then."""
+    if any(os.environ.get(var) for var in _CREDENTIAL_VARS):
+        return None
+    try:
+        import requests
+    except ImportError:
+        return None
+
+    def note(response: Any, *args: Any, **kwargs: Any) -> None:
+        if response.status_code >= 400:
+            note_failure(f"code: {response.status_code}, reason: {response.reason}")
+
+    session = requests.Session()
+    session.hooks["response"].append(note)
+    return session
 
 
 def make_exporter(name: Any, config: Config) -> SpanExporter:

@@ -43,7 +43,7 @@ from opentelemetry.sdk.metrics.export import (
 from perfsdk._version import __version__
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
-from perfsdk.export.delivery import CAPTURE, capture_logs
+from perfsdk.export.delivery import CAPTURE, capture_logs, classify, probe
 from perfsdk.export.exporters import bounded
 from perfsdk.export.spans import build_resource
 from perfsdk.record import ATTRS, DEVICE_MS, ERROR, SPEC, SPECS, T0, T1, Record
@@ -89,27 +89,33 @@ class GuardedMetricExporter(MetricExporter):
     """A failure warns once and is counted (the next cumulative export carries the data); in a
     forked child it drops everything, the copy of the parent's state."""
 
-    def __init__(self, inner: MetricExporter, label: str) -> None:
+    def __init__(self, inner: MetricExporter, label: str, target: str = "") -> None:
         super().__init__(preferred_temporality=inner._preferred_temporality,
                          preferred_aggregation=inner._preferred_aggregation)
-        self.inner, self.label, self.pid = inner, label, os.getpid()
+        self.inner, self.label, self.target, self.pid = inner, label, target, os.getpid()
         self.exported = self.failed = 0
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
                **kwargs: Any) -> MetricExportResult:
         if os.getpid() != self.pid:
             return MetricExportResult.SUCCESS
-        reason = "it reported failure"
-        try:
-            with capture_logs():
+        with capture_logs() as said:
+            try:
                 result = self.inner.export(metrics_data, timeout_millis=timeout_millis)
-        except Exception as exc:
-            result, reason = MetricExportResult.FAILURE, repr(exc)
+            except Exception as exc:
+                result = MetricExportResult.FAILURE
+                said.append(repr(exc))
         self.exported += result is MetricExportResult.SUCCESS
         if result is not MetricExportResult.SUCCESS:
             self.failed += 1
+            text = " ".join(said)
+            _, cause = classify(text)
+            if cause == "timeout" and "max retries" in text and self.target:
+                cause = probe(self.target) or cause
+            target = f" to {self.target}" if self.target else ""
             warn_once(f"metrics-export:{self.label}", f"perfsdk: the {self.label} exporter "
-                      f"could not deliver metrics ({reason}); the program continues.")
+                      f"could not deliver metrics{target}: {cause}; the program continues "
+                      "(failures are counted in perfsdk.diagnostics()['metric_exports_failed']).")
         return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -304,7 +310,7 @@ class MetricsSink:
                 warn_once(f"exporter:{item}",
                           f"perfsdk: cannot use the {item} exporter for metrics: {exc}")
                 continue
-            exporter = GuardedMetricExporter(inner, label)
+            exporter = GuardedMetricExporter(inner, label, str(getattr(inner, "_endpoint", "")))
             self.exporters.append(exporter)
             self._built.append(PeriodicExportingMetricReader(exporter, interval, timeout))
         return self._built + self._given

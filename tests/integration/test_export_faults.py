@@ -9,6 +9,7 @@ that only a broken implementation reaches.
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 import threading
 import time
@@ -25,8 +26,9 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
 from opentelemetry.sdk.resources import Resource
 
 from perfsdk.export.delivery import REASONS, Backoff, Destination
+from perfsdk.export.exporters import otlp_exporter
 from perfsdk.export.spans import region_span
-from tests.integration._scripts.harness import clean_env
+from tests.integration._scripts.harness import PROTOCOLS, clean_env
 from tests.otlp_receiver import BlackHole, OTLPProtocol, OTLPReceiver
 
 LONG = 30.0
@@ -43,11 +45,24 @@ def records(n: int, first: int = 0) -> list[tuple[Any, ...]]:
 
 
 def to_endpoint(protocol: OTLPProtocol, endpoint: str, timeout: float = 5.0) -> Destination:
-    """A destination with OpenTelemetry's real OTLP exporter, as perfsdk builds it."""
+    """A destination with OpenTelemetry's real OTLP exporter, built by perfsdk's own
+    ``otlp_exporter`` (as ``PERFSDK_EXPORTER=otlp`` builds it) for ``endpoint``."""
     def make() -> Any:
-        if protocol == "grpc":
-            return GrpcExporter(endpoint=endpoint, insecure=True, timeout=timeout)
-        return HttpExporter(endpoint=endpoint, timeout=timeout)
+        variables = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+                     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": PROTOCOLS[protocol],
+                     "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"}
+        saved = {k: os.environ.get(k) for k in variables}
+        os.environ.update(variables)
+        try:
+            exporter = otlp_exporter(timeout)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        assert isinstance(exporter, GrpcExporter if protocol == "grpc" else HttpExporter)
+        return exporter
 
     return Destination(
         "otlp", endpoint, make, lambda items: [region_span(r, RESOURCE) for r in items],

@@ -120,6 +120,10 @@ def test_unreachable_collector_warns_once_and_exits(tmp_path: Path):
     exited_ns = time.monotonic_ns()
     run.check()
     assert run.stderr.count("could not deliver metrics") == 1, run.stderr
+    # ... naming where to and why
+    endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert f"could not deliver metrics to {endpoint}/v1/metrics: connection refused" in \
+        run.stderr, run.stderr
     assert "Traceback" not in run.stderr
     # the exit's export waits at most PERFSDK_EXPORT_TIMEOUT (1 s), not OTel's default 10 s
     exit_s = (exited_ns - run.result["written_ns"]) / 1e9
