@@ -211,7 +211,8 @@ class Pipeline:
             if not final and not self._stopping:
                 for hook in self.on_round:
                     self._guard(hook, f"round:{getattr(hook, '__name__', hook)}")
-            self.drain(wait=bool(tickets), pace=not tickets)
+            self._guard(functools.partial(self.drain, wait=bool(tickets), pace=not tickets),
+                        "pipeline-round")  # a failing round never ends the thread
             for ticket in tickets:
                 ticket.done.set()
             if final:  # only once the final request is served: shutdown waits for it

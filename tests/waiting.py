@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 60.0,
@@ -28,9 +29,9 @@ def one_pipeline_round(timeout: float = 60.0) -> None:
     done = threading.Event()
     drain = PIPELINE.drain
 
-    def drain_and_tell(wait: bool, timeout: float = -1) -> int:
+    def drain_and_tell(wait: bool, timeout: float = -1, **kwargs: Any) -> int:
         try:
-            return drain(wait, timeout)
+            return drain(wait, timeout, **kwargs)
         finally:
             if threading.current_thread().name == "perfsdk-pipeline":
                 done.set()
