@@ -11,6 +11,7 @@ import torch
 
 import perfsdk
 from perfsdk.testing import capture
+from tests.integration._gpu import spin_for
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.gpu
@@ -45,24 +46,12 @@ def test_device_time_of_real_kernels_without_a_sync():
     assert all(m.device_ms <= b.device_ms + 1e-3 for m, b in zip(matmuls, blocks, strict=True))
 
 
-def _sleep_ms(cycles: int) -> float:
-    """How long ``torch.cuda._sleep(cycles)`` keeps the GPU busy, timed with CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end))
-
-
 def test_device_ms_of_a_known_kernel_resolves_in_the_background_without_a_sync(monkeypatch):
     """A 20 ms GPU spin launched in microseconds: the region's device time is the spin's, its
     host time is the launch's, and it resolves on perfsdk's poller while nothing synchronizes
     (every synchronize entry point of torch.cuda is counted)."""
     x = torch.ones(1, device="cuda")
-    _sleep_ms(1000)  # the kernel loaded, the clocks up
-    cycles = max(1, int(1_000_000 * 20.0 / _sleep_ms(1_000_000)))
-    reference_ms = _sleep_ms(cycles)
+    cycles, reference_ms = spin_for(20.0)
     syncs: list[str] = []
     for owner, attr, name in ((torch.cuda, "synchronize", "torch.cuda.synchronize"),
                               (torch.cuda.Event, "synchronize", "Event.synchronize"),

@@ -18,26 +18,16 @@ import torch
 
 from perfsdk import bench
 from tests.benchmark_run import REPO_ROOT, positive
+from tests.integration._gpu import spin_for
 
 SCRIPT = REPO_ROOT / "benchmarks" / "optimize.py"
 REGIONS = REPO_ROOT / "benchmarks" / "gpu_regions.py"
 
 
-def _sleep_ms(cycles: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end))
-
-
 @pytest.mark.gpu
 def test_bench_times_a_known_kernel_with_cuda_events():
     torch.cuda.init()
-    _sleep_ms(1000)
-    cycles = max(1, int(1_000_000 * 2.0 / _sleep_ms(1_000_000)))  # about 2 ms
-    reference = _sleep_ms(cycles)
+    cycles, reference = spin_for(2.0)
     x = torch.randn(256, 256, device="cuda")
     result = bench.benchmark(lambda a: torch.cuda._sleep(cycles), x, iters=30, warmup=2)
     assert result.device == "cuda"
