@@ -58,6 +58,12 @@ worker's spans reach a healthy collector in milliseconds, and a down one must no
 epoch. Counted as lost (``shutdown``) past that."""
 
 
+def shutdown_margin(timeout: float) -> float:
+    """What a shutdown keeps of its budget for its bookkeeping after the waits: a tenth, at
+    most a quarter of a second."""
+    return min(0.1 * timeout, 0.25)
+
+
 class _Fork:
     """The process's fork generation: a region entered in another generation (the parent) and
     exited in a forked child is the parent's, and the child never records it."""
@@ -385,8 +391,10 @@ class Pipeline:
 
     def shutdown(self, timeout: float) -> None:
         """Stop the pipeline thread after a last drain, then shut the sinks down, all within
-        ``timeout`` seconds in total; what is not out by then is counted as lost."""
-        deadline = time.monotonic() + timeout
+        ``timeout`` seconds in total; what is not out by then is counted as lost. The waits end
+        :func:`shutdown_margin` before the budget does: counting what is left and closing the
+        exporters still takes the GIL from perfsdk's busy threads."""
+        deadline = time.monotonic() + timeout - shutdown_margin(timeout)
         self._stopping = True
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and \
