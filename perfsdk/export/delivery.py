@@ -358,17 +358,6 @@ class Destination:
         if exporter is not None:
             _run_within(exporter.shutdown, deadline - self.clock(), f"{self.label}-shutdown")
 
-    def reopen(self) -> None:
-        """Accept spans again after :meth:`close` (``perfsdk.shutdown()`` then more regions);
-        the account carries on."""
-        with self._cond:
-            if not self._closed:
-                return
-            self._closed = False
-            self._closing = None
-            self._thread = None
-            self.exporter = None
-
     def after_fork(self) -> None:
         """In a forked child: a new queue, thread, exporter and account; what the parent knew
         about the collector (failures, rest) is kept, so a child does not wait on a collector
