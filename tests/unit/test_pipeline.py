@@ -222,3 +222,26 @@ def test_shutdown_during_a_busy_round_still_hands_over_everything() -> None:
     timer.join()
     assert len(seen.records) == 1010
     assert pipe.pending == 0
+
+
+def test_routine_rounds_rest_between_chunks_and_waited_for_rounds_do_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline thread's own rounds give the GIL back between chunks (a rest after every
+    chunk but the last); a drain someone waits for (flush, summary, exit) runs straight
+    through."""
+    rests: list[float] = []
+    monkeypatch.setattr(_pipeline, "_rest", rests.append)
+    spec = RegionSpec.create("paced")
+    pipe = Pipeline()
+    seen = Recorder()
+    pipe.sinks.append(seen)
+    n = 3 * _pipeline.CHUNK + 1  # four chunks
+    for i in range(n):
+        pipe.submit(record(spec, i, i + 1))
+    assert pipe.drain(wait=False, pace=True) == n
+    assert rests == [_pipeline.PACE_S] * 3
+    for i in range(n):
+        pipe.submit(record(spec, i, i + 1))
+    assert pipe.drain(wait=True) == n
+    assert len(rests) == 3  # no rest when someone waits
+    assert len(seen.records) == 2 * n
