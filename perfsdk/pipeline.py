@@ -113,7 +113,7 @@ class Pipeline:
         self.started = False
         self._init_state()
         if hasattr(os, "register_at_fork"):
-            os.register_at_fork(before=self._before_fork, after_in_child=self._after_fork)
+            os.register_at_fork(before=self._await_set_up, after_in_child=self._after_fork)
 
     def _init_state(self) -> None:
         self._queue: deque[Any] = deque()
@@ -187,7 +187,7 @@ class Pipeline:
             register = getattr(threading, "_register_atexit", None)
             if register is not None:  # CPython: runs before concurrent.futures shuts down
                 try:
-                    register(self._until_ready)
+                    register(self._await_set_up)
                 except RuntimeError:  # the interpreter is already shutting down
                     pass
         if multiprocessing.parent_process() is not None:
@@ -238,13 +238,6 @@ class Pipeline:
             except IndexError:
                 break
         return tickets
-
-    def _until_ready(self) -> None:
-        """At the start of interpreter shutdown (before ``concurrent.futures`` refuses new work,
-        which OpenTelemetry's resource detection and gRPC exporter need): let the background
-        set-up that started at the first region finish, as before a fork. Nothing is exported
-        here; exit's shutdown (atexit) does that."""
-        self._before_fork()
 
     def wake(self) -> None:
         self._wake.set()
@@ -432,11 +425,13 @@ class Pipeline:
                           f"perfsdk: shutting down {type(sink).__name__} failed ({exc!r}).")
         self._stopping = False
 
-    def _before_fork(self) -> None:
-        """Just before ``fork()``: if perfsdk's threads are still importing and building
-        exporters (they start at the first region), let them finish first, so the child does
-        not inherit a half-imported module or a lock held by a thread it does not have. Waits
-        only in that window, at most the export timeout."""
+    def _await_set_up(self) -> None:
+        """If perfsdk's threads are still importing and building exporters (they start at the
+        first region), let them finish, at most the export timeout. Runs just before
+        ``fork()``, so the child does not inherit a half-imported module or a lock held by a
+        thread it does not have; and at the start of interpreter shutdown, before
+        ``concurrent.futures`` refuses new work (OpenTelemetry's resource detection and gRPC
+        exporter need it). Exports nothing: exit's shutdown (atexit) does that."""
         if self._thread is None:
             return
         from perfsdk.config import get_config

@@ -47,8 +47,7 @@ from typing import Any
 from perfsdk.errors import warn_once
 
 __all__ = ["CAPTURE", "REASONS", "Backoff", "Destination", "capture_logs", "classify",
-           "note_failure",
-           "probe"]
+           "note_failure", "probe", "run_within"]
 
 REASONS = ("queue_full", "backing_off", "export_failed", "export_timeout", "shutdown")
 """Why a span was lost, in the order :func:`perfsdk.diagnostics` lists them."""
@@ -356,7 +355,11 @@ class Destination:
             self._cond.notify_all()
             exporter = self.exporter
         if exporter is not None:
-            _run_within(exporter.shutdown, deadline - self.clock(), f"{self.label}-shutdown")
+            def shut() -> None:
+                with capture_logs():
+                    exporter.shutdown()
+
+            run_within(shut, deadline - self.clock(), f"{self.label}-shutdown")
 
     def after_fork(self) -> None:
         """In a forked child: a new queue, thread, exporter and account; what the parent knew
@@ -465,16 +468,16 @@ class Destination:
         return False, reason
 
 
-def _run_within(fn: Callable[[], object], timeout: float, name: str) -> bool:
-    """Run ``fn`` on a daemon thread; wait at most ``timeout`` seconds (0: do not wait)."""
+def run_within(fn: Callable[[], object], timeout: float, name: str) -> bool:
+    """Run ``fn`` on a daemon thread (``perfsdk-<name>``) and wait at most ``timeout`` seconds
+    for it (0: do not wait); True when it finished in time. An exception warns once."""
     done = threading.Event()
 
     def run() -> None:
         try:
-            with capture_logs():
-                fn()
+            fn()
         except Exception as exc:
-            warn_once(f"{name}-error", f"perfsdk: {name} failed: {exc!r}")
+            warn_once(f"{name}-error", f"perfsdk: {name.replace('-', ' ')} failed: {exc!r}")
         finally:
             done.set()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, Sp
 
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
-from perfsdk.export.delivery import note_failure
+from perfsdk.export.delivery import note_failure, run_within
 
 __all__ = ["bounded", "describe", "make_exporter", "otlp_exporter", "otlp_target"]
 
@@ -179,22 +178,11 @@ class _JsonLinesFile(ConsoleSpanExporter):
 
 def bounded(fn: Callable[[], object], timeout: float, what: str, subject: str = "span") -> bool:
     """Run ``fn`` on a daemon thread and wait at most ``timeout`` seconds for it, so a slow or
-    unreachable collector never holds the program (flush, shutdown, exit)."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            fn()
-        except Exception as exc:
-            warn_once(f"{subject}-{what}-error", f"perfsdk: {subject} {what} failed: {exc!r}")
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"perfsdk-{subject}-{what}", daemon=True).start()
-    if not done.wait(timeout):
+    unreachable collector never holds the program (flush, shutdown, exit); warns once when
+    time runs out."""
+    if not run_within(fn, timeout, f"{subject}-{what}"):
         warn_once(f"{subject}-{what}-timeout", f"perfsdk: {subject} {what} did not finish "
                   f"within {timeout:g} s (PERFSDK_EXPORT_TIMEOUT); what was not sent is dropped "
                   "so the program can go on.")
         return False
     return True
-
