@@ -81,6 +81,9 @@ class RegionResult:
     thread_id: int
     memory: Mapping[str, int] | None = None
     """``perfsdk.memory.*`` attribute name to bytes, when the region tracked memory."""
+    recorded: bool = True
+    """False for the result of an entry that was not recorded (perfsdk disabled, the call
+    sampled out, NVTX-only mode): its ``host_ms`` is NaN and its times and ids are 0."""
 
 
 def to_result(record: Record) -> RegionResult:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import random
 import threading
@@ -185,7 +186,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
 
     The handle that ``timed_region`` yields: ``host_ms`` is known at exit, ``device_ms`` once the
     GPU has finished the region's work (None without a GPU), and :meth:`result` waits for this
-    one region only.
+    one region only. A handle whose entry was not recorded (perfsdk disabled, the call sampled
+    out, or NVTX-only mode) has ``recorded`` False and ``host_ms`` NaN, so code that prints or
+    adds it keeps running.
     """
 
     __slots__ = (
@@ -345,9 +348,16 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         return self.spec.name
 
     @property
-    def host_ms(self) -> float | None:
-        """Host (wall) milliseconds; None until the region has exited."""
-        return (self.t1 - self.t0) / 1e6 if self.t1 else None
+    def recorded(self) -> bool:
+        """Whether this entry is timed and becomes a span: False when perfsdk was disabled, the
+        call was sampled out, or in NVTX-only mode (``PERFSDK_TIMING=0``)."""
+        return self.entered and self._timed
+
+    @property
+    def host_ms(self) -> float:
+        """Host (wall) milliseconds; NaN until the region has exited, and for an entry that was
+        not :attr:`recorded`."""
+        return (self.t1 - self.t0) / 1e6 if self.t1 else math.nan
 
     @property
     def attributes(self) -> Mapping[str, Any]:
@@ -359,10 +369,17 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         return self.spec.attributes
 
     def result(self) -> RegionResult:
-        """Wait for this region's device time (only this region's end event) and return it."""
-        if not (self.entered and self._timed):
-            raise RuntimeError(f"region {self.spec.name!r} was not recorded (perfsdk disabled, "
-                               "PERFSDK_TIMING=0, or this call was sampled out); no result")
+        """Wait for this region's device time (only this region's end event) and return it.
+
+        For an entry that was not recorded (perfsdk disabled, the call sampled out, NVTX-only
+        mode) the result says so (``recorded`` False, ``host_ms`` NaN), so code that reads it
+        keeps running whatever the launch settings.
+        """
+        if not self.recorded:
+            return RegionResult(name=self.spec.name, host_ms=math.nan, device_ms=None,
+                                attributes=self.attributes, error=None, start_ns=0, end_ns=0,
+                                trace_id=0, span_id=0, parent_span_id=0, thread_id=0,
+                                recorded=False)
         if not self.t1:
             raise RuntimeError(f"region {self.spec.name!r} has not exited yet; call result() "
                                "after its 'with' block")
@@ -429,5 +446,6 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         """A region ends when its block or call does."""
 
     def __repr__(self) -> str:
-        state = "running" if not self.t1 else f"{self.host_ms:.3f} ms"
+        state = ("not recorded" if not self.recorded else "running" if not self.t1
+                 else f"{self.host_ms:.3f} ms")
         return f"<Region {self.spec.name!r} {state}>"

@@ -99,6 +99,10 @@ def assert_clean_run(proc: subprocess.CompletedProcess[str], what: str) -> None:
     assert "PerfSDKWarning" not in proc.stderr, f"perfsdk warned: {detail}"
 
 
+RUNNABLE = [p for p in MARKDOWN if any(r for *_, r in python_blocks(p.read_text()))]
+"""The markdown files with at least one block to run."""
+
+
 @pytest.fixture
 def otlp_http() -> Iterator[OTLPReceiver]:
     with OTLPReceiver("http") as receiver:
@@ -115,10 +119,7 @@ def test_markdown_files_have_python_blocks() -> None:
     assert counts.get("getting-started.md", 0) >= 5, counts
 
 
-@pytest.mark.parametrize(
-    "md", [p for p in MARKDOWN if any(r for *_, r in python_blocks(p.read_text()))],
-    ids=lambda p: p.relative_to(ROOT).as_posix(),
-)
+@pytest.mark.parametrize("md", RUNNABLE, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_markdown_python_blocks_run(md: Path, tmp_path: Path, otlp_http: OTLPReceiver) -> None:
     script = tmp_path / f"{md.name}.py"  # line N of this file is line N of the .md file
     script.write_text(markdown_script(md.read_text()))
@@ -134,6 +135,29 @@ def test_markdown_python_blocks_run(md: Path, tmp_path: Path, otlp_http: OTLPRec
         found = [s for s in spans if s.name == name]
         assert found, f"no {name!r} span reached the OTLP receiver: {[s.name for s in spans]}"
         assert found[0].resource.get("service.name") == service
+
+
+# -- the same code with perfsdk disabled or sampling ------------------------------------------------
+MODES = {"disabled": {"PERFSDK_ENABLED": "0"}, "sampled": {"PERFSDK_SAMPLE_EVERY": "3"}}
+"""The settings a user may launch any of this code under. Run with ``python -O``: the blocks'
+``assert`` lines state what the default settings record (20 calls of ``forward``...), which is
+not what a disabled or sampled run records; what must hold is that the code itself runs: no
+``None`` where it formats a time, no missing handle."""
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("source", [*RUNNABLE, *EXAMPLES],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_and_examples_run_disabled_and_sampled(source: Path, mode: str, tmp_path: Path,
+                                                    otlp_http: OTLPReceiver) -> None:
+    if source.suffix == ".md":
+        script = tmp_path / f"{source.name}.py"
+        script.write_text(markdown_script(source.read_text()))
+    else:
+        script = source
+    env = clean_env(PERFSDK_OUTPUT_DIR=str(tmp_path / "out"),
+                    OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http.base_endpoint, **MODES[mode])
+    proc = run_python(["-O", str(script)], cwd=tmp_path, env=env)
+    assert_clean_run(proc, f"{source.relative_to(ROOT)} with {MODES[mode]}")
 
 
 # -- examples --------------------------------------------------------------------------------------

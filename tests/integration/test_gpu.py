@@ -33,7 +33,7 @@ def test_device_time_of_real_kernels_without_a_sync():
                     y = matmul(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert handle.host_ms is not None
+        assert handle.host_ms >= 0
         result = handle.result()  # waits for this region's end event only
         assert result.device_ms is not None
         assert result.device_ms > 0

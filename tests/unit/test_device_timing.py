@@ -28,7 +28,7 @@ def pending():
 def test_nothing_resolves_until_the_gpu_finishes(fake_cuda, captured):
     with timed_region("work") as r:
         fake_cuda.launch(5.0)
-    assert r.host_ms is not None
+    assert r.host_ms >= 0
     PIPELINE.drain(wait=False)
     assert captured.regions == []
     assert pending() == 1

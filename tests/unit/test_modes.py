@@ -3,6 +3,7 @@ the service name OpenTelemetry's own variables choose."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,8 @@ def test_timing_off_records_nothing_and_changes_no_result():
         with pytest.raises(ZeroDivisionError), perfsdk.timed_region("m.raises"):
             1 / 0  # noqa: B018
     assert cap.regions == []
-    assert handle.host_ms is None
+    assert math.isnan(handle.host_ms)
+    assert not handle.recorded
     configure(timing=True)
     with capture() as cap:
         assert f(1) == 2
@@ -62,7 +64,8 @@ def test_sample_every_applies_to_timed_region_blocks():
             with perfsdk.timed_region("m.sampled", i=i) as handle:
                 handles.append(handle)
     assert [r.attributes["i"] for r in cap.named("m.sampled")] == [0, 3, 6]
-    assert [h.host_ms is not None for h in handles] == [i % 3 == 0 for i in range(9)]
+    assert [h.recorded for h in handles] == [i % 3 == 0 for i in range(9)]
+    assert [not math.isnan(h.host_ms) for h in handles] == [i % 3 == 0 for i in range(9)]
 
 
 def test_none_cannot_be_combined_with_an_exporter_instance():
@@ -102,16 +105,24 @@ def test_exporter_instance_receives_region_spans(tmp_path):
 
 
 @pytest.mark.parametrize("setting", [{"enabled": False}, {"timing": False}, {"sample_every": 2}])
-def test_result_of_an_unrecorded_block_says_why(setting):
+def test_result_of_an_unrecorded_block_says_so_and_never_raises(setting):
     configure(**setting)
     handles = []
     for _ in range(2):
-        with perfsdk.timed_region("m.unrecorded") as handle:
+        with perfsdk.timed_region("m.unrecorded", k=1) as handle:
             pass
         handles.append(handle)
     unrecorded = handles[1] if "sample_every" in setting else handles[0]
-    with pytest.raises(RuntimeError, match="was not recorded"):
-        unrecorded.result()
+    result = unrecorded.result()
+    assert not unrecorded.recorded
+    assert not result.recorded
+    assert math.isnan(result.host_ms)
+    assert result.device_ms is None
+    assert (result.name, result.attributes["k"], result.span_id) == ("m.unrecorded", 1, 0)
+    assert f"{result.host_ms:.1f} ms" == "nan ms"  # printing it keeps the program running
+    if "sample_every" in setting:  # the sampled entry next to it is a real result
+        assert handles[0].result().recorded
+        assert handles[0].result().host_ms >= 0
 
 
 def test_attributes_set_after_the_block_are_ignored():

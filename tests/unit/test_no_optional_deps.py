@@ -88,7 +88,7 @@ with warnings.catch_warnings(record=True) as seen:
         with perfsdk.timed_region("block", k=1) as r:
             assert context.current_span() is r
         assert asyncio.run(main()) == [1]
-    assert r.host_ms is not None
+    assert r.host_ms >= 0
     by_name = {x.name: x for x in cap.regions}
     assert by_name["inner"].parent_span_id == by_name["outer"].span_id
     assert by_name["block"].attributes["k"] == 1
