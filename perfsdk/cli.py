@@ -179,6 +179,14 @@ def _report(args: argparse.Namespace) -> int:
     return report(args.directory, out=sys.stdout, err=sys.stderr)
 
 
+def _status(exc: SystemExit) -> int:
+    """The exit status Python would give ``exc`` (a message is printed, status 1)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
 def _quiet_on_closed_stdout() -> int:
     """stdout's reader has gone (``| head``): send what is left to /dev/null, so that Python's
     own flush at exit does not fail again, and exit as a process killed by SIGPIPE would."""
@@ -201,10 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             args = parser.parse_args(argv)
-        except SystemExit as exc:  # --help, --version and argument errors
-            sys.stdout.flush()
-            return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
-        code = commands[args.command](args)
+            code = commands[args.command](args)
+        except SystemExit as exc:  # --help, --version and usage errors (argparse exits)
+            code = _status(exc)
         sys.stdout.flush()  # here, where a closed pipe can still be answered quietly
     except BrokenPipeError:
         return _quiet_on_closed_stdout()
