@@ -72,7 +72,8 @@ __all__ = (
 )
 
 # Where each public name lives, in the order the modules are imported (the composition root,
-# perfsdk.lifecycle, among them). "" marks a submodule exported under its own name.
+# perfsdk.lifecycle, among them). "" marks a submodule exported under its own name; a name of
+# __all__ listed nowhere here is the sub-package perfsdk.<name>, imported when first used.
 _SOURCES: dict[str, tuple[str, ...]] = {
     "perfsdk.auto": ("", "instrument_dataloader", "instrument_module", "step"),
     "perfsdk.advisor": ("Advice", "Finding", "advise"),
@@ -102,6 +103,8 @@ def __getattr__(name: str) -> Any:
             found[public or source.rpartition(".")[2]] = getattr(module, public) if public \
                 else module
     globals().update(found)
+    if name not in found:  # a name of __all__ that _SOURCES does not list: a sub-package
+        found[name] = globals()[name] = importlib.import_module(f"perfsdk.{name}")
     return found[name]
 
 
