@@ -3,28 +3,39 @@
 NVTX ranges for Nsight Systems, host and CUDA-event timings without added syncs, and
 OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
 (:class:`timed_region`).
+
+``import perfsdk`` itself imports neither torch nor perfsdk's machinery, so that the ``perfsdk``
+command parses its arguments at once: the first use of any name below imports them all, as one
+``import perfsdk`` did before (see :func:`__getattr__`).
 """
 
-from perfsdk import auto
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from perfsdk._version import __version__
-from perfsdk.advisor import Advice, Finding, advise
-from perfsdk.auto import instrument_dataloader, instrument_module, step
-from perfsdk.config import Config, configure, get_config
-from perfsdk.decorator import profiled
-from perfsdk.errors import (
-    MissingDependencyError,
-    NoEffectWarning,
-    PerfSDKError,
-    PerfSDKWarning,
-    SyncError,
-    SyncWarning,
-)
-from perfsdk.export.summary import RegionStats, Summary
-from perfsdk.export.trace import write_trace
-from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
-from perfsdk.region import Region, RegionResult
-from perfsdk.sync import SyncReport, SyncSite, no_sync_guard
-from perfsdk.timing import timed_region
+
+if TYPE_CHECKING:
+    from perfsdk import auto
+    from perfsdk.advisor import Advice, Finding, advise
+    from perfsdk.auto import instrument_dataloader, instrument_module, step
+    from perfsdk.config import Config, configure, get_config
+    from perfsdk.decorator import profiled
+    from perfsdk.errors import (
+        MissingDependencyError,
+        NoEffectWarning,
+        PerfSDKError,
+        PerfSDKWarning,
+        SyncError,
+        SyncWarning,
+    )
+    from perfsdk.export.summary import RegionStats, Summary
+    from perfsdk.export.trace import write_trace
+    from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
+    from perfsdk.region import Region, RegionResult
+    from perfsdk.sync import SyncReport, SyncSite, no_sync_guard
+    from perfsdk.timing import timed_region
 
 __all__ = (
     "Advice",
@@ -59,3 +70,43 @@ __all__ = (
     "timed_region",
     "write_trace",
 )
+
+# Where each public name lives, in the order the modules are imported (the composition root,
+# perfsdk.lifecycle, among them). "" marks a submodule exported under its own name; a name of
+# __all__ listed nowhere here is the sub-package perfsdk.<name>, imported when first used.
+_SOURCES: dict[str, tuple[str, ...]] = {
+    "perfsdk.auto": ("", "instrument_dataloader", "instrument_module", "step"),
+    "perfsdk.advisor": ("Advice", "Finding", "advise"),
+    "perfsdk.config": ("Config", "configure", "get_config"),
+    "perfsdk.decorator": ("profiled",),
+    "perfsdk.errors": ("MissingDependencyError", "NoEffectWarning", "PerfSDKError",
+                       "PerfSDKWarning", "SyncError", "SyncWarning"),
+    "perfsdk.export.summary": ("RegionStats", "Summary"),
+    "perfsdk.export.trace": ("write_trace",),
+    "perfsdk.lifecycle": ("diagnostics", "flush", "shutdown", "summary"),
+    "perfsdk.region": ("Region", "RegionResult"),
+    "perfsdk.sync": ("SyncReport", "SyncSite", "no_sync_guard"),
+    "perfsdk.timing": ("timed_region",),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The first public name asked for imports every module behind :data:`__all__` (torch
+    and perfsdk's exporters included) and binds all their names here; later lookups never come
+    back to this function."""
+    if name not in __all__:
+        raise AttributeError(f"module 'perfsdk' has no attribute {name!r}")
+    found: dict[str, Any] = {}
+    for source, names in _SOURCES.items():
+        module = importlib.import_module(source)
+        for public in names:
+            found[public or source.rpartition(".")[2]] = getattr(module, public) if public \
+                else module
+    globals().update(found)
+    if name not in found:  # a name of __all__ that _SOURCES does not list: a sub-package
+        found[name] = globals()[name] = importlib.import_module(f"perfsdk.{name}")
+    return found[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -29,7 +29,8 @@ from perfsdk.advisor import Advice, advise
 from perfsdk.config import _OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
 
-__all__ = ["check_output_dir", "default_exporters", "output_files", "report", "run_script"]
+__all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "output_files",
+           "print_report", "render_report", "report", "run_script"]
 
 
 def check_output_dir(directory: Path) -> str | None:
@@ -72,7 +73,8 @@ def default_exporters() -> tuple[str, ...]:
     return names
 
 
-def _device_memory() -> int | None:
+def device_memory_bytes() -> int | None:
+    """The current CUDA device's total memory, for the advisor; None before CUDA is in use."""
     if not _device.initialized():
         return None
     import torch
@@ -129,13 +131,13 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
         wall_s = time.perf_counter() - started
         perfsdk.flush()
     summary = perfsdk.summary(show=False)
-    advice = advise(recorder.regions, summary=summary, device_memory_bytes=_device_memory())
+    advice = advise(recorder.regions, summary=summary, device_memory_bytes=device_memory_bytes())
     files = output_files(directory)
     run_file = save_run(directory, command=[str(path), *args], exit_code=code, wall_s=wall_s,
                         files=files, summary=summary, regions=recorder.regions,
                         dropped=recorder.dropped)
     out.write(f"\nperfsdk run: {path} exited with {code} after {wall_s:.2f} s\n\n")
-    _render(summary, advice, {**files, "run": str(run_file)}, out)
+    render_report(summary, advice, out, {**files, "run": str(run_file)})
     return code
 
 
@@ -152,10 +154,14 @@ def output_files(directory: Path) -> dict[str, str]:
     return files
 
 
-def _render(summary: perfsdk.Summary, advice: Advice, files: dict[str, str],
-            out: TextIO) -> None:
+def render_report(summary: perfsdk.Summary, advice: Advice, out: TextIO,
+                  files: dict[str, str] | None = None) -> None:
+    """Write the summary table, the advice and (when given) the files of a run to ``out``."""
     out.write((render(summary.rows) if summary.rows else "no regions were recorded") + "\n\n")
-    out.write(f"{advice}\n\n")
+    out.write(f"{advice}\n")
+    if files is None:
+        return
+    out.write("\n")
     notes = {"trace": "open in https://ui.perfetto.dev or chrome://tracing",
              "run": f"perfsdk report {Path(files['run']).parent}" if "run" in files else ""}
     width = max(map(len, files), default=0)
@@ -163,6 +169,18 @@ def _render(summary: perfsdk.Summary, advice: Advice, files: dict[str, str],
     for kind, where in files.items():
         note = notes.get(kind, "")
         out.write(f"  {kind:<{width}}  {where}" + (f"  ({note})" if note else "") + "\n")
+
+
+def print_report(recorder: RunRecorder, out: TextIO, *, title: str) -> Advice:
+    """Write ``title``, the summary of the regions ``recorder`` saw and the advisor's findings on
+    them to ``out``; return the advice. What the Lightning and Hugging Face callbacks print at
+    the end of training."""
+    advice = advise(recorder.regions, summary=perfsdk.summary(show=False),
+                    device_memory_bytes=device_memory_bytes())
+    out.write(f"\n{title}\n\n")
+    render_report(recorder.summary(), advice, out)
+    out.flush()
+    return advice
 
 
 def report(directory: str, *, out: TextIO, err: TextIO) -> int:
@@ -179,5 +197,5 @@ def report(directory: str, *, out: TextIO, err: TextIO) -> int:
     advice = advise(run.regions)
     files = {k: v for k, v in run.files.items() if Path(v).exists()}
     files["run"] = str(Path(directory) / RUN_FILE)
-    _render(run.summary, advice, files, out)
+    render_report(run.summary, advice, out, files)
     return 0

@@ -1,16 +1,48 @@
-"""The ``perfsdk`` command."""
+"""The ``perfsdk`` command: ``run``, ``report`` and ``demo``.
+
+It answers at once: this module imports only the standard library and ``perfsdk._version``, and
+``import perfsdk`` is light, so ``perfsdk --help``, an argument error and a missing script are
+answered before torch is imported. Only then is torch imported, once, with its "Failed to
+initialize NumPy" warning kept out of the output (perfsdk does not use NumPy, and the ``otlp``
+install has none). A closed stdout (``perfsdk report DIR | head``) ends the command quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from perfsdk._version import __version__
-from perfsdk.config import get_config
 
-__all__ = ["main"]
+__all__ = ["CommandParser", "build_parser", "main"]
+
+RUN_USAGE_EXAMPLE = "perfsdk run train.py --epochs 1"
+
+NUMPY_WARNING = "Failed to initialize NumPy"
+"""The start of the warning torch's import gives without NumPy (torch/csrc/utils/tensor_numpy.cpp):
+torch works without it, and a tensor's ``.numpy()`` still says clearly that NumPy is missing."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser that reports unknown arguments with the usage of the subcommand they
+    follow (argparse itself reports them with the top-level usage)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.subcommands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self.subcommands.get(getattr(parsed, "command", None) or "", self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def _positive(text: str) -> int:
@@ -23,8 +55,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    """The ``perfsdk`` command's argument parser (its subcommands: demo, run, report)."""
+    parser = CommandParser(
         prog="perfsdk", description="PyTorch performance instrumentation: NVTX, timings, spans.")
     parser.add_argument("--version", action="version", version=f"perfsdk {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -52,59 +85,137 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run an unmodified training script with perfsdk's regions patched in, then "
                     "print the summary and advice",
+        usage="perfsdk run [-h] [--output-dir DIR] [--syncs] SCRIPT [ARGS ...]",
         description="Runs SCRIPT as `python SCRIPT ARGS` would, with every DataLoader batch, the "
                     "model's forward, loss.backward() and optimizer.step() recorded as regions; "
                     "prints the summary and the advisor's findings and writes the Perfetto "
-                    "trace, the spans and run.json to the output directory. Exits with the "
-                    "script's exit code.")
-    run.add_argument("--output-dir", default=None,
+                    "trace, the spans and run.json to the output directory (run.json is "
+                    "readable by you alone, and secret-looking values of the command line are "
+                    "redacted in it). Exits with the script's exit code. Options go before "
+                    f"SCRIPT; what follows it is the script's own, e.g. `{RUN_USAGE_EXAMPLE}`.")
+    run.add_argument("--output-dir", default=None, metavar="DIR",
                      help="where the trace, spans and run.json go (PERFSDK_OUTPUT_DIR, "
                           "./perfsdk-output)")
     run.add_argument("--syncs", action="store_true",
                      help="count host-device syncs and name their lines (no_sync_guard('count'); "
                           "about 6 us more per tensor operation)")
-    run.add_argument("script", help="the Python script to run")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.add_argument("script", nargs="?", metavar="SCRIPT", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="the script's own arguments")
     report = commands.add_parser("report", help="render a saved run again (summary, advice, "
                                                 "trace path)")
     report.add_argument("directory", help="the output directory of `perfsdk run` or `demo`")
+    parser.subcommands.update(demo=demo, run=run, report=report)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "run":
-        from perfsdk._cli_run import run_script
+def _exporters(text: str, accepted: Sequence[str]) -> tuple[str, ...]:
+    names = tuple(name.strip().lower() for name in text.split(",") if name.strip())
+    bad = [name for name in names if name not in accepted]
+    if bad or not names:
+        raise ValueError(f"unknown exporter {', '.join(map(repr, bad)) or '(empty)'}; accepted "
+                         f"values are a comma list of {', '.join(accepted)}")
+    return names
 
-        return run_script(args.script, args.args, output_dir=args.output_dir, out=sys.stdout,
-                          err=sys.stderr, syncs=args.syncs)
-    if args.command == "report":
-        from perfsdk._cli_run import report
 
-        return report(args.directory, out=sys.stdout, err=sys.stderr)
-    if args.command == "demo":
-        from perfsdk._cli_run import check_output_dir, default_exporters
-        from perfsdk.config import _parse_exporters
-        from perfsdk.demo import run_demo
+def _fail(command: str, message: str) -> int:
+    print(f"perfsdk {command}: {message}", file=sys.stderr)
+    return 2
 
+
+def _import_torch() -> None:
+    """Import torch (the first time, perfsdk's machinery follows it), without the warning it
+    gives when NumPy is missing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+        import torch  # noqa: F401
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from perfsdk.config import EXPORTERS, get_config
+
+    if args.steps < 2 or args.image_size % 4:
+        return _fail("demo", f"arguments: --steps must be >= 2 and --image-size a multiple of 4; "
+                             f"got --steps {args.steps} --image-size {args.image_size}")
+    exporters: tuple[str, ...] | None = None
+    if args.exporter is not None:
         try:
-            exporters = _parse_exporters(args.exporter or ",".join(default_exporters()))
-            run = dict(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
-            if args.steps < 2 or args.image_size % 4:
-                raise ValueError("--steps must be >= 2 and --image-size a multiple of 4; got "
-                                 f"--steps {args.steps} --image-size {args.image_size}")
+            exporters = _exporters(args.exporter, EXPORTERS)
         except ValueError as exc:
-            flag = "--exporter" if "exporter" in str(exc) else "arguments"
-            print(f"perfsdk demo: {flag}: {exc}", file=sys.stderr)
-            return 2
-        directory = Path(args.output_dir or get_config().output_dir)
-        problem = check_output_dir(directory)
-        if problem is not None:
-            print(f"perfsdk demo: --output-dir {directory}: cannot write there ({problem})",
-                  file=sys.stderr)
-            return 2
-        run_demo(**run, output_dir=directory, exporters=exporters)
+            return _fail("demo", f"--exporter: {exc}")
+    _import_torch()
+    from perfsdk._cli_run import check_output_dir, default_exporters
+    from perfsdk.demo import run_demo
+
+    directory = Path(args.output_dir or get_config().output_dir)
+    problem = check_output_dir(directory)
+    if problem is not None:
+        return _fail("demo", f"--output-dir {directory}: cannot write there ({problem})")
+    run_demo(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size,
+             output_dir=directory, exporters=exporters or default_exporters())
     return 0
+
+
+def _run(args: argparse.Namespace, usage_error: Callable[[str], NoReturn]) -> int:
+    if args.script is None:
+        usage_error(f"SCRIPT is missing: name the Python script to run, followed by its own "
+                    f"arguments, e.g. `{RUN_USAGE_EXAMPLE}`")
+    if not Path(args.script).is_file():
+        return _fail("run", f"{args.script}: no such file")
+    _import_torch()
+    from perfsdk._cli_run import run_script
+
+    return run_script(args.script, args.args, output_dir=args.output_dir, out=sys.stdout,
+                      err=sys.stderr, syncs=args.syncs)
+
+
+def _report(args: argparse.Namespace) -> int:
+    if not Path(args.directory).is_dir():
+        return _fail("report", f"{args.directory}: no such directory (the output directory of "
+                               "`perfsdk run` or `perfsdk demo`, see their --output-dir)")
+    _import_torch()
+    from perfsdk._cli_run import report
+
+    return report(args.directory, out=sys.stdout, err=sys.stderr)
+
+
+def _status(exc: SystemExit) -> int:
+    """The exit status Python would give ``exc`` (a message is printed, status 1)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _quiet_on_closed_stdout() -> int:
+    """stdout's reader has gone (``| head``): send what is left to /dev/null, so that Python's
+    own flush at exit does not fail again, and exit as a process killed by SIGPIPE would."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout to redirect: nothing more to write anyway
+        pass
+    return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``perfsdk`` command with ``argv`` (default ``sys.argv[1:]``); returns its exit
+    code."""
+    parser = build_parser()
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "run": lambda a: _run(a, parser.subcommands["run"].error), "report": _report,
+        "demo": _demo}
+    try:
+        try:
+            args = parser.parse_args(argv)
+            code = commands[args.command](args)
+        except SystemExit as exc:  # --help, --version and usage errors (argparse exits)
+            code = _status(exc)
+        sys.stdout.flush()  # here, where a closed pipe can still be answered quietly
+    except BrokenPipeError:
+        return _quiet_on_closed_stdout()
+    return code
 
 
 if __name__ == "__main__":

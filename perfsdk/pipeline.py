@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib
 import multiprocessing
 import multiprocessing.util
 import os
@@ -174,7 +175,14 @@ class Pipeline:
     def start(self) -> None:
         """Start the background thread; run once per process, at the first region's enter, on
         the caller's thread. Sinks' ``prepare`` hooks run here and must be cheap (the span
-        sink installs its provider; exporters are built on their own threads)."""
+        sink installs its provider; exporters are built on their own threads).
+
+        The composition root, :mod:`perfsdk.lifecycle`, is imported first: ``import perfsdk``
+        is light (the ``perfsdk`` command parses its arguments before torch is imported), so a
+        program that imports only submodules (``from perfsdk.region import Region``, as an
+        integration does) still has the summary, trace and span sinks before its first
+        region."""
+        importlib.import_module("perfsdk.lifecycle")
         with self._drain_lock:
             if self._thread is not None or self._stopping:
                 return

@@ -154,3 +154,78 @@ def test_clear_errors_for_a_missing_script_and_an_unwritable_directory(tmp_path)
     proc = perfsdk("report", str(tmp_path), cwd=tmp_path)
     assert proc.returncode == 2
     assert "is not a perfsdk run file" in proc.stderr
+
+
+def test_a_closed_stdout_ends_report_quietly(lab_run) -> None:
+    """``perfsdk report DIR | head``: the reader is gone before the report is written."""
+    _, out = lab_run
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERFSDK_", "OTEL_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "perfsdk", "report", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=out, env=env)
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    proc.stdout.close()  # as `head` does once it has its lines
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=180) == 141  # 128 + SIGPIPE, as for a process SIGPIPE ended
+    assert stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+
+
+def test_run_json_keeps_no_secret_and_is_private(tmp_path) -> None:
+    script = write(tmp_path, "import sys\nprint('argv', sys.argv[1:])\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for stale in (out / "run.json", out / "run.json.tmp"):  # world-readable leftovers
+        stale.write_text("{}")
+        stale.chmod(0o644)
+    args = ["--password=hunter2", "--token", "tok-123", "HF_TOKEN=hf_abc", "--tokenizer", "gpt2",
+            "--url", "https://me:pw-9@example.org/x"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERFSDK_", "OTEL_"))}
+    proc = subprocess.run([sys.executable, "-m", "perfsdk", "run", "--output-dir", str(out),
+                           str(script), *args], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env=env, check=False, umask=0)
+    assert proc.returncode == 0, proc.stderr
+    assert f"argv {args}" in proc.stdout  # the script itself sees its real arguments
+    run_file = out / "run.json"
+    assert run_file.stat().st_mode & 0o777 == 0o600  # even with umask 0 and a 0644 file there
+    text = run_file.read_text()
+    for secret in ("hunter2", "tok-123", "hf_abc", "pw-9"):
+        assert secret not in text
+    assert json.loads(text)["command"] == [
+        str(script), "--password=<redacted>", "--token", "<redacted>", "HF_TOKEN=<redacted>",
+        "--tokenizer", "gpt2", "--url", "https://me:<redacted>@example.org/x"]
+    report = perfsdk("report", str(out), cwd=tmp_path)
+    assert report.stdout.startswith(f"perfsdk report: {script} --password=<redacted> --token "
+                                    "<redacted> HF_TOKEN=<redacted> --tokenizer gpt2")
+
+
+BLOCK_NUMPY = """
+import importlib.abc, runpy, sys
+
+class NoNumpy(importlib.abc.MetaPathFinder):  # as in an install without numpy ([otlp])
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "numpy":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoNumpy())
+if sys.argv[1:2] == ["--bare"]:
+    import torch
+else:
+    runpy.run_module("perfsdk", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_no_numpy_warning_from_torch_reaches_the_output(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERFSDK_", "OTEL_"))}
+    bare = subprocess.run([sys.executable, "-c", BLOCK_NUMPY, "--bare"], capture_output=True,
+                          text=True, timeout=180, cwd=tmp_path, env=env, check=False)
+    assert "Failed to initialize NumPy" in bare.stderr  # torch alone warns without numpy
+    script = write(tmp_path, "import torch\nprint('sum', int(torch.ones(3).sum()))\n")
+    proc = subprocess.run([sys.executable, "-c", BLOCK_NUMPY, "run", "--output-dir",
+                           str(tmp_path / "out"), str(script)], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "sum 3" in proc.stdout
+    assert "NumPy" not in proc.stderr
+    assert proc.stderr == ""

@@ -1,6 +1,7 @@
 """A real ``lightning.Trainer`` on the CPU (a tiny LightningModule, a few steps) with
 :class:`PerfsdkCallback`: the regions it produces, their nesting and attributes, what happens when
-``training_step`` raises, and runs under ``bf16-mixed`` and with a ``torch.compile``d module."""
+``training_step`` raises, runs under ``bf16-mixed`` and with a ``torch.compile``d module, and the
+summary and advice it prints when ``fit`` ends."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import perfsdk
 import perfsdk_lightning
+from perfsdk._runfile import RunRecorder
 from perfsdk.auto import STEPS
 from perfsdk.context import current_span
+from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult
 from perfsdk.region import Region
 from perfsdk.testing import Capture, capture
@@ -114,15 +117,17 @@ def test_regions_counts_nesting_and_attributes() -> None:
     assert [e.attributes["perfsdk.epoch"] for e in epochs] == [0, 1]
     assert [s.parent_span_id for s in steps] == [epochs[0].span_id] * 4 + [epochs[1].span_id] * 2
 
-    validations = cap.named("validation")
-    assert len(validations) == module.validation_runs == 2  # the sanity check, after epoch 0
-    assert [v.attributes["perfsdk.sanity_check"] for v in validations] == [True, False]
-    assert validations[1].parent_span_id == epochs[0].span_id
-    assert validations[1].attributes["perfsdk.epoch"] == 0
+    assert module.validation_runs == 2  # Lightning's sanity check, and the run after epoch 0
+    [sanity] = cap.named("sanity_check")  # a region of its own, before training ...
+    assert sanity.end_ns <= epochs[0].start_ns
+    [validation] = cap.named("validation")  # ... so that validation counts the real run alone
+    assert validation.parent_span_id == epochs[0].span_id
+    assert validation.attributes["perfsdk.epoch"] == 0
 
     categories = {r.name: r.attributes["perfsdk.category"] for r in cap.regions}
     assert categories == {"step": "step", "forward": "compute", "backward": "compute",
-                          "optimizer": "update", "validation": "eval", "epoch": "epoch"}
+                          "optimizer": "update", "validation": "eval", "sanity_check": "eval",
+                          "epoch": "epoch"}
     assert all(r.error is None for r in cap.regions)
     assert len(cap.regions) == 6 * 4 + 2 + 2  # nothing else recorded
     assert not isinstance(current_span(), Region)
@@ -198,7 +203,8 @@ def test_batch_size_option(batch_size: int | Callable[[Any], int], samples: list
 
 
 @pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"batch_size": True},
-                                    {"batch_size": "8"}, {"memory": "yes"}])
+                                    {"batch_size": "8"}, {"memory": "yes"}, {"report": "yes"},
+                                    {"report": None}])
 def test_bad_argument_is_named(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=f"{next(iter(kwargs))}="):
         PerfsdkCallback(**kwargs)
@@ -249,3 +255,64 @@ def test_span_ids_unique_across_sanity_check() -> None:
     cap = fit(TinyModule(), max_steps=2)
     ids = [r.span_id for r in cap.regions]
     assert len(set(ids)) == len(ids)
+
+
+def report_rows(text: str) -> dict[str, int]:
+    """Region name -> calls, from the summary table printed in ``text``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("region "))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        name, calls = line.split()[:2]
+        rows[name] = int(calls)
+    return rows
+
+
+def test_fit_ends_with_the_summary_and_the_advice(capsys: pytest.CaptureFixture[str]) -> None:
+    fit(TinyModule(), max_steps=6)
+    out = capsys.readouterr().out
+    assert "perfsdk: Lightning fit ended after " in out
+    assert ": 6 optimizer steps, 6 batches recorded, 1 validation run (and the sanity check)" in out
+    assert report_rows(out) == {"epoch": 2, "step": 6, "forward": 6, "backward": 6,
+                                "optimizer": 6, "validation": 1, "sanity_check": 1}
+    assert "perfsdk advice" in out
+    assert out.index("region ") < out.index("perfsdk advice")
+
+
+def test_each_fit_reports_its_own_regions(capsys: pytest.CaptureFixture[str]) -> None:
+    callback = PerfsdkCallback()
+    fit(TinyModule(), max_steps=4, callbacks=[callback])
+    first = capsys.readouterr().out
+    fit(TinyModule(), max_steps=2, callbacks=[callback])
+    second = capsys.readouterr().out
+    assert report_rows(first)["step"] == 4
+    assert report_rows(second)["step"] == 2  # not 6: the summary is of this fit alone
+
+
+def test_report_false_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    cap = fit(TinyModule(), max_steps=3, callbacks=[PerfsdkCallback(report=False)])
+    assert_steps_have_phases(cap, 3)  # still recorded
+    assert capsys.readouterr().out == ""
+    perfsdk_lightning.instrument(report=False)
+    try:
+        fit(TinyModule(), max_steps=2, callbacks=[])
+    finally:
+        perfsdk_lightning.uninstrument()
+    assert capsys.readouterr().out == ""
+
+
+def test_no_report_when_fit_raises_or_perfsdk_is_disabled(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    callback = PerfsdkCallback()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(max_steps=6, callbacks=[callback]).fit(TinyModule(fail_at=2), loader(), loader())
+    assert capsys.readouterr().out == ""  # the user's traceback is what matters then
+    assert not any(isinstance(sink, RunRecorder) for sink in PIPELINE.sinks)  # none left
+    perfsdk.configure(enabled=False)
+    fit(TinyModule(), max_steps=2, callbacks=[callback])
+    assert capsys.readouterr().out == ""
+    perfsdk.configure(enabled=True)
+    fit(TinyModule(), max_steps=2, callbacks=[callback])  # the same callback reports again
+    assert report_rows(capsys.readouterr().out)["step"] == 2

@@ -1,6 +1,7 @@
 """perfsdk-transformers with a real ``transformers.Trainer`` on the CPU: a tiny BERT built from
 a config (random weights, nothing downloaded; conftest.py sets ``HF_HUB_OFFLINE=1`` and
-``TRANSFORMERS_OFFLINE=1``), an in-memory dataset, a few steps, regions captured in memory."""
+``TRANSFORMERS_OFFLINE=1``), an in-memory dataset, a few steps, regions captured in memory, and
+the summary and advice the callback prints when training ends."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from transformers import (
 
 import perfsdk
 import perfsdk_transformers
+from perfsdk._runfile import RunRecorder
+from perfsdk.pipeline import PIPELINE
 from perfsdk.region import Region
 from perfsdk.testing import Capture, capture
 from perfsdk_transformers import PerfsdkCallback
@@ -275,3 +278,75 @@ def test_next_step_closes_stale_regions(tmp_path):
     assert [s.attributes["perfsdk.samples"] for s in cap.named("step")] == [6, 6]
     spans = _by_span(cap)
     assert all(spans[r.parent_span_id].name == "step" for r in cap.named("optimizer"))
+
+
+def _report_rows(text: str) -> dict[str, int]:
+    """Region name -> calls, from the summary table printed in ``text``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("region "))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        name, calls = line.split()[:2]
+        rows[name] = int(calls)
+    return rows
+
+
+def _no_report(text: str) -> bool:
+    """No perfsdk report in ``text`` (the Trainer prints its own metrics at the end)."""
+    return "perfsdk" not in text and "region " not in text and "train_runtime" in text
+
+
+def test_training_ends_with_the_summary_and_the_advice(tmp_path, capsys):
+    trainer = _trainer(tmp_path, callbacks=[PerfsdkCallback()], eval_n=6, eval_strategy="steps",
+                       eval_steps=2, per_device_eval_batch_size=4)
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "perfsdk: Hugging Face training ended after " in out
+    assert ": 4 optimizer steps, 4 recorded, 2 evaluations" in out
+    assert _report_rows(out) == {"epoch": 2, "step": 4, "microbatch": 4, "optimizer": 4,
+                                 "validation": 2}
+    assert "perfsdk advice" in out
+    assert out.index("region ") < out.index("perfsdk advice")
+    trainer = _trainer(tmp_path, callbacks=[PerfsdkCallback()], max_steps=2)
+    trainer.train()
+    assert _report_rows(capsys.readouterr().out)["step"] == 2  # this run's regions alone
+
+
+def test_report_false_prints_nothing(tmp_path, capsys):
+    with capture() as cap:
+        _trainer(tmp_path, callbacks=[PerfsdkCallback(report=False)]).train()
+    assert _counts(cap)["step"] == 4  # still recorded
+    assert _no_report(capsys.readouterr().out)
+    perfsdk_transformers.instrument(report=False)
+    try:
+        _trainer(tmp_path).train()
+    finally:
+        perfsdk_transformers.uninstrument()
+    assert _no_report(capsys.readouterr().out)
+    with pytest.raises(ValueError, match="report='yes'"):
+        PerfsdkCallback(report="yes")
+
+
+def test_no_report_when_training_raises_or_perfsdk_is_disabled(tmp_path, capsys):
+    model = _model()
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    model.forward = failing_forward
+    callback = PerfsdkCallback()
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(tmp_path, model=model, callbacks=[callback]).train()
+    callback.close()
+    assert capsys.readouterr().out == ""
+    assert not any(isinstance(sink, RunRecorder) for sink in PIPELINE.sinks)  # none left
+    perfsdk.configure(enabled=False)
+    try:
+        _trainer(tmp_path, callbacks=[callback]).train()
+    finally:
+        perfsdk.configure(enabled=True)
+    assert _no_report(capsys.readouterr().out)

@@ -10,7 +10,13 @@
   (``update``: ``on_before_optimizer_step`` to the end of the batch: gradient clipping, the
   optimizer's update and any per-step LR scheduler);
 - ``validation`` (``eval``): each validation run, ``on_validation_start`` to ``on_validation_end``;
+  Lightning's sanity check (the validation batches it runs before training) is a region of its
+  own, ``sanity_check`` (``eval``), so that ``validation`` counts the real runs alone;
 - ``epoch`` (``epoch``): each training epoch.
+
+At the end of ``fit`` it prints perfsdk's summary of the fit's regions and the advisor's
+findings (``report=False`` turns that off; only the global rank 0 prints, and nothing is printed
+while perfsdk is disabled).
 
 Every region open when training raises is closed in ``on_exception`` with the error set, and the
 user's exception reaches the caller unchanged. Timings, memory (``memory=True``, or
@@ -26,6 +32,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,8 +41,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from perfsdk._cli_run import print_report
+from perfsdk._runfile import RunRecorder
 from perfsdk.auto import STEPS
 from perfsdk.auto import Step as _Step
+from perfsdk.config import get_config
 from perfsdk.config import state as _state
 from perfsdk.errors import warn_once
 from perfsdk.region import Region, RegionSpec
@@ -46,7 +57,7 @@ logger = logging.getLogger(__name__)
 logger.addHandler(logging.NullHandler())
 
 _CATEGORIES = {"forward": "compute", "backward": "compute", "optimizer": "update",
-               "validation": "eval", "epoch": "epoch"}
+               "validation": "eval", "sanity_check": "eval", "epoch": "epoch"}
 
 
 @functools.cache
@@ -83,9 +94,12 @@ class PerfsdkCallback(Callback):
         batch_size: ``perfsdk.samples`` of each step: a fixed int, a function of the batch, or
             None (default) for the first dimension of the first tensor in the batch.
         memory: Record memory in these regions (None: perfsdk's configured default).
+        report: Print perfsdk's summary of the fit and the advisor's findings when ``fit``
+            ends (True, the default), or not (False).
 
     Raises:
-        ValueError: ``batch_size`` or ``memory`` has a value outside those accepted.
+        ValueError: ``batch_size``, ``memory`` or ``report`` has a value outside those
+            accepted.
 
     Example:
         >>> import lightning as L
@@ -94,7 +108,7 @@ class PerfsdkCallback(Callback):
     """
 
     def __init__(self, *, batch_size: int | Callable[[Any], int] | None = None,
-                 memory: bool | None = None) -> None:
+                 memory: bool | None = None, report: bool = True) -> None:
         if not (batch_size is None or callable(batch_size) or (
                 isinstance(batch_size, int) and not isinstance(batch_size, bool)
                 and batch_size >= 1)):
@@ -104,8 +118,14 @@ class PerfsdkCallback(Callback):
         if memory is not None and not isinstance(memory, bool):
             raise ValueError(f"PerfsdkCallback: memory={memory!r}; accepted values are None (the "
                              "configured default), True or False")
+        if not isinstance(report, bool):
+            raise ValueError(f"PerfsdkCallback: report={report!r}; accepted values are True "
+                             "(print the summary and advice when fit ends) or False")
         self.batch_size = batch_size
         self.memory = memory
+        self.report = report
+        self._recorder: RunRecorder | None = None
+        self._started = 0.0
         self._specs = {name: _spec(name, memory) for name in _CATEGORIES}
         self._step: _Step | None = None
         self._phase: Region | None = None  # forward, backward or optimizer: one at a time
@@ -156,7 +176,37 @@ class PerfsdkCallback(Callback):
             size = size(batch)
         return size or None  # an empty batch: no samples/s
 
+    # -- the report at the end of fit -------------------------------------------------------
+    def _stop_recording(self) -> RunRecorder | None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+        return recorder
+
+    def _print_report(self, trainer: pl.Trainer) -> None:
+        recorder = self._stop_recording()
+        if recorder is None:
+            return
+        seconds = time.perf_counter() - self._started
+        counts = {name: len([r for r in recorder.regions if r.name == name])
+                  for name in ("step", "validation", "sanity_check")}
+        runs = counts["validation"]
+        runs_text = f", {runs} validation run{'s' * (runs != 1)}" if runs else ""
+        sanity = " (and the sanity check)" if counts["sanity_check"] else ""
+        print_report(recorder, sys.stdout, title=(
+            f"perfsdk: Lightning fit ended after {seconds:.2f} s: {trainer.global_step} "
+            f"optimizer steps, {counts['step']} batches recorded{runs_text}{sanity}"))
+
     # -- Lightning's hooks ------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self._stop_recording()  # a fit that raised never reached its end
+            if self.report and trainer.is_global_zero and get_config().enabled:
+                self._recorder = RunRecorder().__enter__()
+                self._started = time.perf_counter()
+        except Exception as exc:
+            _failed(exc)
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             self._close_all()
@@ -224,10 +274,8 @@ class PerfsdkCallback(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             self._close_validation()
-            self._validation = self._open("validation", {
-                "perfsdk.epoch": trainer.current_epoch,
-                "perfsdk.sanity_check": bool(trainer.sanity_checking),
-            })
+            name = "sanity_check" if trainer.sanity_checking else "validation"
+            self._validation = self._open(name, {"perfsdk.epoch": trainer.current_epoch})
         except Exception as exc:
             _failed(exc)
 
@@ -241,12 +289,15 @@ class PerfsdkCallback(Callback):
                      exception: BaseException) -> None:
         try:
             self._close_all(exception)
+            self._stop_recording()  # the user's traceback follows: no report
         except Exception as exc:
             _failed(exc)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
             self._close_all()  # anything a hook that never came left open
+            if stage == "fit":
+                self._print_report(trainer)
         except Exception as exc:
             _failed(exc)
 
@@ -255,7 +306,7 @@ _original_init: Callable[..., None] | None = None
 
 
 def instrument(*, batch_size: int | Callable[[Any], int] | None = None,
-               memory: bool | None = None) -> None:
+               memory: bool | None = None, report: bool = True) -> None:
     """Give every ``lightning.Trainer`` created from now on a :class:`PerfsdkCallback`.
 
     A Trainer that already has one keeps its own. Idempotent: while instrumented, a second call
@@ -265,7 +316,7 @@ def instrument(*, batch_size: int | Callable[[Any], int] | None = None,
         ValueError: An argument has a value outside those accepted.
     """
     global _original_init
-    PerfsdkCallback(batch_size=batch_size, memory=memory)  # a bad argument raises here
+    PerfsdkCallback(batch_size=batch_size, memory=memory, report=report)  # a bad one raises
     if _original_init is not None:
         logger.debug("perfsdk_lightning: already instrumented")
         return
@@ -277,7 +328,8 @@ def instrument(*, batch_size: int | Callable[[Any], int] | None = None,
         try:
             callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
             if not any(isinstance(cb, PerfsdkCallback) for cb in callbacks):
-                callbacks.append(PerfsdkCallback(batch_size=batch_size, memory=memory))
+                callbacks.append(PerfsdkCallback(batch_size=batch_size, memory=memory,
+                                                 report=report))
         except Exception as exc:
             _failed(exc)
 

@@ -28,18 +28,22 @@ def _trainer_class() -> Any:
     return transformers.Trainer
 
 
-def instrument() -> None:
+def instrument(*, report: bool = True) -> None:
     """Add a :class:`~perfsdk_transformers.PerfsdkCallback` to every ``Trainer`` made from now on.
 
     Idempotent; a Trainer that already has one (``callbacks=[PerfsdkCallback()]``) gets no
-    second. :func:`uninstrument` undoes it.
+    second. :func:`uninstrument` undoes it. ``report`` is the callback's: print the summary and
+    the advice when training ends.
 
     Raises:
         ImportError: transformers is not installed (the message names the pip command).
+        ValueError: ``report`` is not a bool.
     """
     global _original_init
     trainer = _trainer_class()
     from perfsdk_transformers.callback import PerfsdkCallback
+
+    PerfsdkCallback(report=report)  # a bad argument raises here
 
     with _lock:
         if _original_init is not None:
@@ -53,7 +57,7 @@ def instrument() -> None:
             if handler is not None and not any(
                 isinstance(cb, PerfsdkCallback) for cb in handler.callbacks
             ):
-                self.add_callback(PerfsdkCallback())
+                self.add_callback(PerfsdkCallback(report=report))
 
         trainer.__init__ = __init__
         _original_init = original

@@ -26,18 +26,26 @@ What each region times, in terms of ``transformers.Trainer``'s events (transform
 Regions stay balanced: each event first closes whatever a previous run left open above the
 region it opens (a ``train()`` that raised never reaches ``on_train_end``); such regions get
 ``perfsdk.unfinished=True``. perfsdk's own failures warn once and never stop training.
+
+At ``on_train_end`` it prints perfsdk's summary of the training run's regions and the advisor's
+findings (``PerfsdkCallback(report=False)`` turns that off; only the world's process 0 prints,
+and nothing is printed while perfsdk is disabled).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import perfsdk
+from perfsdk._cli_run import print_report
+from perfsdk._runfile import RunRecorder
 from perfsdk.auto import STEPS
 from perfsdk.errors import warn_once
 
@@ -87,6 +95,13 @@ class PerfsdkCallback(TrainerCallback):
     """perfsdk regions for ``transformers.Trainer``: epoch, step, microbatch, optimizer and
     validation (see the module docstring for exactly what each one times).
 
+    Args:
+        report: Print perfsdk's summary of the training run and the advisor's findings when
+            training ends (True, the default), or not (False).
+
+    Raises:
+        ValueError: ``report`` is not a bool.
+
     Example:
         >>> from transformers import Trainer
         >>> from perfsdk_transformers import PerfsdkCallback
@@ -94,10 +109,16 @@ class PerfsdkCallback(TrainerCallback):
         >>> #                   callbacks=[PerfsdkCallback()])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, report: bool = True) -> None:
+        if not isinstance(report, bool):
+            raise ValueError(f"PerfsdkCallback: report={report!r}; accepted values are True "
+                             "(print the summary and advice when training ends) or False")
+        self.report = report
         self._stack: list[_Open] = []
         self._microbatch = 0
         self._batches = 0
+        self._recorder: RunRecorder | None = None
+        self._started = 0.0
 
     # -- the open regions, innermost last --------------------------------------------------
     def _open(self, name: str, **attributes: Any) -> None:
@@ -125,14 +146,39 @@ class PerfsdkCallback(TrainerCallback):
             self._stack.pop().close(unfinished=True)
 
     def close(self) -> None:
-        """Close every region still open, e.g. after ``trainer.train()`` raised."""
+        """Close every region still open, e.g. after ``trainer.train()`` raised (no report is
+        printed for that run)."""
         self._unwind()
+        self._stop_recording()
+
+    # -- the report at the end of training ---------------------------------------------------
+    def _stop_recording(self) -> RunRecorder | None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+        return recorder
+
+    def _print_report(self, state: TrainerState) -> None:
+        recorder = self._stop_recording()
+        if recorder is None:
+            return
+        seconds = time.perf_counter() - self._started
+        steps = len([r for r in recorder.regions if r.name == "step"])
+        runs = len([r for r in recorder.regions if r.name == "validation"])
+        runs_text = f", {runs} evaluation{'s' * (runs != 1)}" if runs else ""
+        print_report(recorder, sys.stdout, title=(
+            f"perfsdk: Hugging Face training ended after {seconds:.2f} s: "
+            f"{state.global_step} optimizer steps, {steps} recorded{runs_text}"))
 
     # -- Trainer events ----------------------------------------------------------------------
     @_guarded
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
         self._unwind()
+        self._stop_recording()  # a run that raised never reached on_train_end
+        if self.report and state.is_world_process_zero and perfsdk.get_config().enabled:
+            self._recorder = RunRecorder().__enter__()
+            self._started = time.perf_counter()
         if getattr(args, "eval_on_start", False):
             self._open_validation()
 
@@ -200,6 +246,7 @@ class PerfsdkCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
         self._unwind()
+        self._print_report(state)
 
     def _open_validation(self) -> None:
         self._unwind(keep=("epoch",))
