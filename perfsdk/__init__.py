@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from perfsdk._version import __version__
 
 if TYPE_CHECKING:
-    from perfsdk import auto
+    from perfsdk import auto, bench, distributed, optimize, testing
     from perfsdk.advisor import Advice, Finding, advise
     from perfsdk.auto import instrument_dataloader, instrument_module, step
     from perfsdk.config import Config, configure, get_config
@@ -56,17 +56,21 @@ __all__ = (
     "__version__",
     "advise",
     "auto",
+    "bench",
     "configure",
     "diagnostics",
+    "distributed",
     "flush",
     "get_config",
     "instrument_dataloader",
     "instrument_module",
     "no_sync_guard",
+    "optimize",
     "profiled",
     "shutdown",
     "step",
     "summary",
+    "testing",
     "timed_region",
     "write_trace",
 )
