@@ -137,7 +137,7 @@ def test_markdown_python_blocks_run(md: Path, tmp_path: Path, otlp_http: OTLPRec
         assert found[0].resource.get("service.name") == service
 
 
-# -- the same code with perfsdk disabled or sampling ------------------------------------------------
+# -- the same code with perfsdk disabled or sampling --------------------------------------------
 MODES = {"disabled": {"PERFSDK_ENABLED": "0"}, "sampled": {"PERFSDK_SAMPLE_EVERY": "3"}}
 """The settings a user may launch any of this code under. Run with ``python -O``: the blocks'
 ``assert`` lines state what the default settings record (20 calls of ``forward``...), which is
