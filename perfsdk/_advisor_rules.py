@@ -16,7 +16,7 @@ from typing import Any
 
 from perfsdk._syncops import OPS
 from perfsdk.record import RegionResult
-from perfsdk.sync import _short
+from perfsdk.sync import short_path as _short
 
 __all__ = [
     "COMPUTE_SHARE", "DATA_SHARE", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
