@@ -86,9 +86,10 @@ def test_data_bound_run_names_data_loading_with_its_numbers(clock):
     assert top.data["share"] == pytest.approx(80 / 88)
     assert top.impact == pytest.approx(top.data["share"], abs=1e-4)
     assert top.severity == "high"
-    assert top.fix == "perfsdk.optimize.tune_dataloader(dataset, batch_size)"
-    assert any("num_workers=" in d and "pin_memory=True" in d and "persistent_workers=True" in d
-               for d in top.details)
+    assert top.fix == ("tuning = perfsdk.optimize.tune_dataloader(loader.dataset, "
+                       "loader.batch_size)")
+    assert ("loader = torch.utils.data.DataLoader(loader.dataset, tuning.batch_size, "
+            "**tuning.best)") in top.details
     assert f"{100 * top.data['share']:.0f}%" in top.evidence
 
 
@@ -132,21 +133,21 @@ def test_syncs_every_step_are_named_with_site_and_fix(clock):
     sync = finding(advice, "sync")
     assert sync.data["syncs"] == 3  # after the warm-up step
     assert sync.data["syncs_per_step"] == 1.0
+    assert sync.data["outside_steps"] == 0
     ((site),) = sync.data["sites"]
     assert site["where"].endswith("test_advisor.py:" + str(_item.__code__.co_firstlineno + 1))
     assert site["op"] == "item"
-    assert site["count"] >= 4  # the summary's process-wide count
-    assert 'no_sync_guard("error")' in sync.fix
-    assert sync.details == (f"{site['where']} item ({site['count']}x in all): {OPS['item']}",)
-    assert "1.0 per step (3 in 3 steps)" in sync.evidence
+    assert (site["count"], site["in_steps"]) == (4, 3)  # this run, warm-up step included
+    assert sync.fix == 'perfsdk.configure(sync_guard="error")'
+    assert sync.sites == (f"{site['where']} item (4x in all): {OPS['item']}",)
+    assert "1.0 per step (3 in 3 steps) at 1 call site" == sync.evidence
 
 
 def test_sites_come_from_the_regions_without_a_summary(clock):
     with perfsdk.no_sync_guard("count", assume_device=True):
         regions = loop(clock, 2, body=_item)
     sync = finding(advise(regions), "sync")
-    assert [s["op"] for s in sync.data["sites"]] == ["item"]
-    assert sync.data["sites"][0]["count"] is None
+    assert [(s["op"], s["count"]) for s in sync.data["sites"]] == [("item", 2)]
 
 
 def test_no_syncs_no_finding_and_a_note(clock):
@@ -182,8 +183,8 @@ def test_host_much_longer_than_device_is_launch_overhead(fake_cuda, clock):
     assert launch.data["host_device_ratio"] == pytest.approx(15 / 0.6)
     assert launch.data["host_device_ratio"] >= advisor.LAUNCH_HOST_DEVICE_RATIO
     assert launch.impact == pytest.approx(1 - 0.6 / 15)  # the GPU's idle share
-    assert "optimize(model, x, compile=True)" in launch.fix
-    assert any("apply_cuda_graphs" in d for d in launch.details)
+    assert launch.fix == "model, report = perfsdk.optimize.optimize(model, inputs, compile=True)"
+    assert "model = perfsdk.optimize.apply_cuda_graphs(model)" in launch.details
 
 
 def test_busy_gpu_is_not_launch_overhead(fake_cuda):
@@ -242,9 +243,9 @@ def test_peak_near_capacity_is_memory_pressure(fake_cuda):
     memory = finding(advice, "memory")
     assert memory.data["peak_bytes"] >= 950 * MiB
     assert memory.data["fraction"] > advisor.MEMORY_PRESSURE
-    assert "apply_checkpointing" in memory.fix
-    assert any("apply_amp" in d for d in memory.details)
-    assert any("smaller batch" in d for d in memory.details)
+    assert memory.fix == "model = perfsdk.optimize.apply_checkpointing(model, segments=2)"
+    assert "model = perfsdk.optimize.apply_amp(model)" in memory.details
+    assert any("accumulate=2" in d for d in memory.details)
     assert "950 MiB of 1,000 MiB (95%" in memory.evidence
 
 
@@ -272,8 +273,8 @@ def test_forward_dominating_is_compute_bound(clock):
     compute = advice.findings[0]
     assert compute.data["share"] == pytest.approx(50 / 51)  # 50 ms forward in a 51 ms step
     assert compute.data["share"] >= advisor.COMPUTE_SHARE
-    assert "apply_amp" in compute.fix
-    assert any("optimize(model, x, auto=True)" in d for d in compute.details)
+    assert compute.fix == "model, report = perfsdk.optimize.optimize(model, inputs, auto=True)"
+    assert "model = perfsdk.optimize.apply_amp(model)" in compute.details
     assert "forward" in compute.data["heaviest"]
 
 
@@ -349,8 +350,8 @@ def test_text_is_aligned_and_names_evidence_and_fix(clock):
     assert any(line.startswith("2. Host-device syncs") for line in lines)
     for label in ("evidence", "fix", "also", "sites"):
         assert any(line.startswith(f"   {label:<9} ") for line in lines), label
-    column = {line.index("perfsdk.optimize.tune_dataloader") for line in lines
-              if "tune_dataloader" in line}
+    column = {line.index("tuning = perfsdk.optimize.tune_dataloader") for line in lines
+              if "tune_dataloader(" in line}
     assert column == {len("   evidence  ")}
     assert "Not checked / notes:" in text
     assert all(len(line) <= 102 for line in lines)
