@@ -135,14 +135,15 @@ class _Fix:
 
 
 def _finding(run: Run, kind: str, title: str, impact: float, evidence: str,
-             data: Mapping[str, Any], fixes: Sequence[_Fix], sites: Sequence[str] = ()
-             ) -> Finding:
-    """The finding, with the fixes whose state the run already had left out (and said so)."""
+             data: Mapping[str, Any], fixes: Sequence[_Fix], sites: Sequence[str] = (),
+             covers: Sequence[str] = ()) -> Finding:
+    """The finding, with the fixes whose state the run already had left out (and said so;
+    ``covers`` names more states a fix, such as ``optimize(auto=True)``, would try)."""
     impact = round(min(max(impact, 0.0), 1.0), 4)
     kept = [f for f in fixes if not (f.state and f.state in run.on)]
-    skipped = sorted({f.state for f in fixes if f.state and f.state in run.on},
+    skipped = sorted({s for s in (*(f.state for f in fixes), *covers) if s and s in run.on},
                      key=list(_STATES).index)
-    already = tuple(f"{run.on[state]}: its fix is not repeated" for state in skipped)
+    already = tuple(run.on[state] for state in skipped)
     lines: list[str] = []
     for f in kept:
         lines += [f.code, *([f"# {f.comment}"] if f.comment else [])]
@@ -512,7 +513,8 @@ def compute_rule(run: Run, found: Sequence[Finding]) -> Finding | None:
              "emulate bfloat16", "amp"),
         _Fix('step = perfsdk.optimize.TrainStep(model, optimizer, loss_fn, amp="bf16")',
              "training: forward under autocast, loss = step(inputs, target=target)", "amp"),
-        _Fix("model = perfsdk.optimize.apply_compile(model)", "", "compile")])
+        _Fix("model = perfsdk.optimize.apply_compile(model)", "", "compile")],
+                    covers=("amp", "compile", "channels_last"))
 
 
 RULES = (data_rule, sync_rule, launch_rule, memory_rule)

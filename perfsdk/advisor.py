@@ -180,7 +180,8 @@ def render(advice: Advice) -> str:
         if f.details[lead:]:
             lines += _block("also", f.details[lead:], code=True)
         if f.already_on:
-            lines += _block("already", [f"on in this run: {x}" for x in f.already_on])
+            lines += _block("already", ["on in this run, so not recommended again: "
+                                        + ", ".join(f.already_on)])
         if f.sites:
             lines += _block("sites", f.sites)
     if advice.notes:

@@ -318,17 +318,24 @@ def test_report_header_singular_and_empty(x: torch.Tensor) -> None:
 
 # -- regions, spans and the summary ---------------------------------------------------------------
 def test_syncs_are_attached_to_the_enclosing_region(x: torch.Tensor, captured: Capture) -> None:
-    with no_sync_guard("count", assume_device=True), perfsdk.timed_region("step"):
+    with no_sync_guard("count", assume_device=True) as guard, perfsdk.timed_region("step"):
         x.sum().item()  # <- sync:a
         x.max().item()  # <- sync:b
+        for _ in range(2):
+            x.sum().item()  # <- sync:c
     PIPELINE.drain(wait=True)
-    sites = (f"{short(HERE)}:{line_of('a')} item", f"{short(HERE)}:{line_of('b')} item")
+    sites = (f"{short(HERE)}:{line_of('a')} item", f"{short(HERE)}:{line_of('b')} item",
+             f"{short(HERE)}:{line_of('c')} item")
     (region,) = captured.named("step")
-    assert region.attributes["perfsdk.syncs"] == 2
+    assert region.attributes["perfsdk.syncs"] == 4
     assert tuple(region.attributes["perfsdk.sync_sites"]) == sites
+    assert tuple(region.attributes["perfsdk.sync_counts"]) == (1, 1, 2)
+    assert [s.outside for s in guard.report.sites] == [0, 0, 0]  # all inside the region
+    assert [s.label for s in guard.report.sites] == [sites[2], sites[0], sites[1]]
     span = captured.span("step")
-    assert span.attributes["perfsdk.syncs"] == 2
+    assert span.attributes["perfsdk.syncs"] == 4
     assert tuple(span.attributes["perfsdk.sync_sites"]) == sites
+    assert tuple(span.attributes["perfsdk.sync_counts"]) == (1, 1, 2)
 
 
 def test_summary_counts_syncs_per_region_and_lists_the_sites(x: torch.Tensor) -> None:
