@@ -372,6 +372,10 @@ def sync_rule(run: Run) -> Finding | None:
              "(PERFSDK_SYNC_GUARD=error in CI); the fix for each site is below")], sites)
 
 
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def _where_op(site: str) -> tuple[str, str]:
     """``("file:line", "op")`` of a ``"file:line op"`` site."""
     where, _, op = site.rpartition(" ")
@@ -506,8 +510,8 @@ def compute_rule(run: Run, found: Sequence[Finding]) -> Finding | None:
     return _finding(run, "compute", "Compute-bound: forward and backward dominate", share,
                     evidence, data, [
         *([_Fix("model, report = perfsdk.optimize.optimize(model, inputs, auto=True)",
-                "measures " + ", ".join(_STATES[s] for s in measured) + " on this machine and "
-                "keeps the fastest that computes the same")] if measured else []),
+                f"measures {_and([_STATES[s] for s in measured])} on this machine and keeps "
+                "the fastest that computes the same")] if measured else []),
         _Fix("model = perfsdk.optimize.apply_amp(model)",
              "by hand: autocast (bfloat16 on a CPU, float16 on CUDA); measure it, some CPUs "
              "emulate bfloat16", "amp"),

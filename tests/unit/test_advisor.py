@@ -433,7 +433,7 @@ def test_autocast_already_on_is_not_recommended_again(clock):
     code = [compute.fix, *compute.details]
     assert not any("apply_amp" in line or "amp=" in line for line in code)
     assert "model = perfsdk.optimize.apply_compile(model)" in code
-    assert "measures torch.compile, channels-last on this machine" in compute.details[0]
+    assert "measures torch.compile and channels-last on this machine" in compute.details[0]
     text = str(advise(regions))
     assert ("   already   on in this run, so not recommended again: autocast (bfloat16)"
             in text.splitlines())
