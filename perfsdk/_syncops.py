@@ -268,12 +268,13 @@ def _copied_to_host(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
 def _host_copy(src: Any, out: Any, scope: Any) -> Any:
     """The result of a copy to the host, remembered as such. A CPU tensor's ``.cpu()`` is the
     tensor itself: under ``assume_device`` an alias stands for the copy a GPU would make, so the
-    source stays a device tensor (not for a leaf that requires grad, such as a parameter, whose
-    identity module code relies on)."""
+    source stays a device tensor (not for a parameter or another leaf that requires grad, whose
+    identity module code relies on: ``Module.cpu()`` sets ``param.data`` to the result)."""
     if not isinstance(out, torch.Tensor):
         return out
     if out is src:
-        if scope is None or not scope.assume_any or (out.requires_grad and out.is_leaf):
+        if (scope is None or not scope.assume_any or isinstance(out, torch.nn.Parameter)
+                or (out.requires_grad and out.is_leaf)):
             return out
         try:
             out = out.view_as(out)

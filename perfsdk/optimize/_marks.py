@@ -53,6 +53,9 @@ def region_attributes(model: nn.Module) -> dict[str, Any]:
         {'perfsdk.transforms': ('amp',), 'perfsdk.amp': 'bfloat16'}
     """
     record = applied(model)
+    inner = getattr(model, "module", None)  # DistributedDataParallel, DataParallel
+    if isinstance(inner, nn.Module):
+        record = {**applied(inner), **record}
     names = set(record)
     if hasattr(model, "_orig_mod"):  # torch.compile(model): an OptimizedModule
         names.add("compile")
