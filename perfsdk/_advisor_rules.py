@@ -320,7 +320,10 @@ def sync_rule(run: Run) -> Finding | None:
     n_in, n_out = sum(in_steps.values()), sum(out_steps.values())
     if not n_in and not n_out:
         run.notes.append("host-device syncs: none recorded in this run (they are only counted "
-                         "inside perfsdk.no_sync_guard(\"count\"))")
+                         "inside perfsdk.no_sync_guard(\"count\")" + (
+                             "; those outside any region only with "
+                             "summary=perfsdk.summary(show=False))" if run.summary is None
+                             else ")"))
         return None
     if run.n_steps:
         per_step = n_in / run.n_steps

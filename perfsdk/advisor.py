@@ -118,6 +118,7 @@ class Advice:
         for f in self.findings:
             d = dataclasses.asdict(f)
             d["data"], d["details"] = dict(f.data), list(f.details)
+            d["sites"], d["already_on"] = list(f.sites), list(f.already_on)
             out.append(d)
         return out
 
