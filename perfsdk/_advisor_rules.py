@@ -4,6 +4,12 @@ Each rule reads a :class:`Run` (the records of one run, with the step-time basis
 returns a :class:`Finding` or None, adding to ``run.notes`` what it could not check. The rules
 follow the seeds' optimization loop: profile, name the bottleneck (data loading, host-device
 syncs, launch overhead, memory, compute), apply the matching fix, measure again.
+
+A rule claims only what the run shows: syncs are those of this run's regions (and, from a
+summary, those outside any region while the run's regions ran), counted per step only inside
+the steps; a transform the regions say was on (``perfsdk.amp``, ``perfsdk.transforms``) is not
+recommended again. Every fix is a Python statement that runs as printed (or a ``#`` comment),
+given :data:`NAMES`.
 """
 
 from __future__ import annotations
@@ -16,11 +22,10 @@ from typing import Any
 
 from perfsdk._syncops import OPS
 from perfsdk.record import RegionResult
-from perfsdk.sync import _short
 
 __all__ = [
     "COMPUTE_SHARE", "DATA_SHARE", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
-    "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT",
+    "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT", "NAMES",
     "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
     "Finding", "Run", "RULES",
 ]
@@ -77,7 +82,14 @@ COMPUTE_SHARE = 0.50
 ``module``, ``module.backward`` or ``compute``, or named ``forward`` / ``backward``) take at
 least this fraction of the loop time. Impact: that fraction."""
 
+NAMES = ("model", "inputs", "loader", "optimizer", "loss_fn")
+"""The names a printed fix uses besides ``perfsdk`` and ``torch``: your model, an example batch
+of its inputs, your DataLoader, optimizer and loss function. With those bound each fix runs as
+printed."""
+
 _COMPUTE_CATEGORIES = frozenset({"module", "module.backward", "compute"})
+_STATES = {"amp": "autocast", "compile": "torch.compile", "channels_last": "channels-last",
+           "checkpointing": "activation checkpointing", "cuda_graphs": "CUDA graphs"}
 _COMPUTE_NAMES = frozenset({"forward", "backward"})
 
 
@@ -102,16 +114,44 @@ class Finding:
     data: Mapping[str, Any]
     """The same numbers as data (milliseconds, fractions, counts, bytes)."""
     fix: str
-    """The perfsdk call or setting to apply first."""
+    """What to do first: one Python statement that runs as printed, given ``perfsdk``,
+    ``torch`` and :data:`NAMES` (``model = perfsdk.optimize.apply_compile(model)``)."""
     details: tuple[str, ...] = ()
-    """More fixes, or the fix for each sync site."""
+    """More statements, each runnable as printed, and ``#`` comments that explain them."""
+    sites: tuple[str, ...] = ()
+    """For syncs: each call site of this run, how often it synced and its fix."""
+    already_on: tuple[str, ...] = ()
+    """What the run's regions say was already on (``autocast (bfloat16)``, ``torch.compile``),
+    so that its fix is not recommended again."""
 
 
-def _finding(kind: str, title: str, impact: float, evidence: str, data: Mapping[str, Any],
-             fix: str, details: Sequence[str] = ()) -> Finding:
+@dataclasses.dataclass(frozen=True)
+class _Fix:
+    """A candidate fix: a statement, comments on it, and the state that makes it redundant."""
+
+    code: str
+    comment: str = ""
+    state: str = ""
+
+
+def _finding(run: Run, kind: str, title: str, impact: float, evidence: str,
+             data: Mapping[str, Any], fixes: Sequence[_Fix], sites: Sequence[str] = (),
+             covers: Sequence[str] = ()) -> Finding:
+    """The finding, with the fixes whose state the run already had left out (and said so;
+    ``covers`` names more states a fix, such as ``optimize(auto=True)``, would try)."""
     impact = round(min(max(impact, 0.0), 1.0), 4)
-    return Finding(kind, title, impact, severity(impact), evidence, dict(data), fix,
-                   tuple(details))
+    kept = [f for f in fixes if not (f.state and f.state in run.on)]
+    skipped = sorted({s for s in (*(f.state for f in fixes), *covers) if s and s in run.on},
+                     key=list(_STATES).index)
+    already = tuple(run.on[state] for state in skipped)
+    lines: list[str] = []
+    for f in kept:
+        lines += [f.code, *([f"# {f.comment}"] if f.comment else [])]
+    if not lines or lines[0].startswith("#"):
+        lines.insert(0, "# nothing new to apply: the fixes for this are already on (see below)")
+    data = {**data, "already_on": list(skipped)}
+    return Finding(kind, title, impact, severity(impact), evidence, data, lines[0],
+                   tuple(lines[1:]), tuple(sites), already)
 
 
 def _category(r: RegionResult) -> Any:
@@ -139,6 +179,7 @@ class Run:
         self.summary = summary
         self.capacity = device_memory_bytes
         self.notes: list[str] = []
+        self.on = _states(regions)
         steps = sorted((r for r in regions if r.name == "step" or _category(r) == "step"),
                        key=lambda r: r.start_ns)
         self.warmup = WARMUP_STEPS if len(steps) >= WARMUP_MIN_STEPS else 0
@@ -192,6 +233,19 @@ class Run:
         return "step time" if self.steps else "recorded time"
 
 
+def _states(regions: Sequence[RegionResult]) -> dict[str, str]:
+    """What the regions say the run had on: ``{"amp": "autocast (bfloat16)", ...}``."""
+    on: dict[str, str] = {}
+    for r in regions:
+        amp = r.attributes.get("perfsdk.amp")
+        if isinstance(amp, str) and amp:
+            on["amp"] = f"autocast ({amp})"
+        for name in r.attributes.get("perfsdk.transforms", ()) or ():
+            if name in _STATES:
+                on.setdefault(str(name), _STATES[str(name)])
+    return on
+
+
 def data_rule(run: Run) -> Finding | None:
     if not run.data:
         run.notes.append("data loading not checked: no `data_wait` regions (wrap the batch "
@@ -207,59 +261,128 @@ def data_rule(run: Run) -> Finding | None:
     evidence = (f"data_wait {_ms(mean)} per batch (mean of {len(run.data)}), {_ms(total)} of "
                 f"{_ms(run.basis_ms)} = {_pct(share)} of {run.of_loop()} "
                 f"(threshold {_pct(DATA_SHARE)})")
-    return _finding(
-        "data", "Data loading: the loop waits for batches", share, evidence, data,
-        "perfsdk.optimize.tune_dataloader(dataset, batch_size)",
-        ["DataLoader(dataset, batch_size=..., num_workers=min(4, os.cpu_count()), "
-         "pin_memory=True, persistent_workers=True)",
-         "move per-sample preprocessing out of __getitem__ or onto the GPU"])
+    return _finding(run, "data", "Data loading: the loop waits for batches", share, evidence,
+                    data, [
+        _Fix("tuning = perfsdk.optimize.tune_dataloader(loader.dataset, loader.batch_size)",
+             "measures workers, pinned memory and prefetching on this machine; pass your "
+             "loader's other arguments (shuffle=True, collate_fn=...) too"),
+        _Fix("loader = torch.utils.data.DataLoader(loader.dataset, tuning.batch_size, "
+             "**tuning.best)"),
+        _Fix("# or move per-sample preprocessing out of __getitem__, or onto the GPU")])
 
 
-def _sites(run: Run, regions: Sequence[RegionResult]) -> list[tuple[str, str, int | None]]:
-    """``(file:line, op, count or None)`` per site, most frequent first."""
-    seen: Counter[str] = Counter()
-    for r in regions:
-        for site in r.attributes.get("perfsdk.sync_sites", ()):
-            seen[str(site)] += 1
-    summary_sites = tuple(getattr(run.summary, "sync_sites", ()) or ())
-    if seen:  # the summary's sites are process-wide: keep those of this run's regions
-        summary_sites = tuple(s for s in summary_sites
-                              if f"{_short(s.file)}:{s.line} {s.op}" in seen)
-    if summary_sites:
-        return [(f"{_short(s.file)}:{s.line}", s.op, s.count) for s in summary_sites]
-    out: list[tuple[str, str, int | None]] = []
-    for site, _ in seen.most_common():
-        where, _, op = site.rpartition(" ")
-        out.append((where or site, op if where else "", None))
+def _region_sites(r: RegionResult) -> list[tuple[str, int]]:
+    """``("file:line op", count)`` for each call site a region synced at; the syncs beyond the
+    sites a region lists (more than 16 sites) as one ``"(other sites)"``."""
+    sites = [str(x) for x in r.attributes.get("perfsdk.sync_sites", ()) or ()]
+    counts = [int(x) for x in r.attributes.get("perfsdk.sync_counts", ()) or ()]
+    if len(counts) != len(sites):  # recorded without per-site counts: one each, at least
+        counts = [1] * len(sites)
+    out = list(zip(sites, counts, strict=True))
+    rest = int(r.attributes.get("perfsdk.syncs", 0) or 0) - sum(counts)
+    if rest > 0:
+        out.append(("(other sites)", rest))
     return out
 
 
+def _outside_regions(run: Run, regions: Sequence[RegionResult]) -> Counter[str]:
+    """Syncs of the summary's sites that happened outside any region while ``regions`` ran
+    (from the first one's start to the last one's end): syncs of this run that no region
+    holds. Those of other runs, before or after, are not counted."""
+    found: Counter[str] = Counter()
+    if run.summary is None or not regions:
+        return found
+    start = min(r.start_ns for r in regions)
+    end = max(r.end_ns for r in regions)
+    for site in getattr(run.summary, "sync_sites", ()) or ():
+        n = sum(1 for t in getattr(site, "outside_ns", ()) if start <= t <= end)
+        if n:
+            found[site.label] += n
+    return found
+
+
 def sync_rule(run: Run) -> Finding | None:
-    flagged = [r for r in run.regions if r.attributes.get("perfsdk.syncs")]
-    total = sum(int(r.attributes["perfsdk.syncs"]) for r in flagged)
-    sites = _sites(run, flagged)
-    if not total and sites and run.summary is not None:  # syncs outside any region
-        total = sum(count or 0 for _, _, count in sites)
-    if not total:
-        run.notes.append("host-device syncs: none recorded (they are only counted inside "
-                         "perfsdk.no_sync_guard(\"count\"))")
+    step_ids = {r.span_id for r in run.steps}
+    in_steps: Counter[str] = Counter()
+    out_steps: Counter[str] = Counter()
+    for r in run.regions:
+        if not r.attributes.get("perfsdk.syncs"):
+            continue
+        into = in_steps if (r.span_id in step_ids or run._inside(r, step_ids)) else out_steps
+        for site, n in _region_sites(r):
+            into[site] += n
+    out_steps += _outside_regions(run, run.regions)
+    everywhere: Counter[str] = Counter()  # the whole run, warm-up included: "Nx in all"
+    for r in run.all_regions:
+        for site, n in _region_sites(r):
+            everywhere[site] += n
+    everywhere += _outside_regions(run, run.all_regions)
+    n_in, n_out = sum(in_steps.values()), sum(out_steps.values())
+    if not n_in and not n_out:
+        run.notes.append("host-device syncs: none recorded in this run (they are only counted "
+                         "inside perfsdk.no_sync_guard(\"count\")" + (
+                             "; those outside any region only with "
+                             "summary=perfsdk.summary(show=False))" if run.summary is None
+                             else ")"))
         return None
-    per_step = total / run.n_steps if run.n_steps else float(total)
-    if run.n_steps and per_step < SYNCS_PER_STEP:
-        return None
+    if run.n_steps:
+        per_step = n_in / run.n_steps
+        if per_step < SYNCS_PER_STEP:
+            if n_in:
+                run.notes.append(
+                    f"host-device syncs: {n_in} in {run.n_steps} steps ({per_step:.2f} per step, "
+                    f"below {SYNCS_PER_STEP}): occasional, e.g. a value read for logging")
+            if n_out:
+                run.notes.append(
+                    f"host-device syncs outside the steps: {n_out} at "
+                    + ", ".join(out_steps)
+                    + "; not counted per step (a step region around the whole iteration counts "
+                    "them there)")
+            return None
+        total = n_in
+    else:
+        per_step, total = float(n_in + n_out), n_in + n_out
+        in_steps, out_steps = in_steps + out_steps, Counter()
     step_ms = run.basis_ms / run.n_steps if run.n_steps else run.basis_ms
-    impact = min(max(per_step * SYNC_STALL_MS / step_ms if step_ms > 0 else 0.0,
+    rate = per_step if run.n_steps else float(total)
+    impact = min(max(rate * SYNC_STALL_MS / step_ms if step_ms > 0 else 0.0,
                      SYNC_MIN_IMPACT), 0.5)
+    order = [site for site, _ in in_steps.most_common()] + [
+        site for site, _ in out_steps.most_common() if site not in in_steps]
+    rows = [{"where": _where_op(site)[0], "op": _where_op(site)[1],
+             "count": everywhere.get(site, in_steps[site] + out_steps[site]),
+             "in_steps": in_steps[site], "outside_steps": out_steps[site]} for site in order]
     data = {"syncs": total, "syncs_per_step": per_step if run.n_steps else None,
-            "sites": [{"where": w, "op": op, "count": c} for w, op, c in sites]}
-    count = f"{per_step:.1f} per step ({total} in {run.n_steps} steps)" if run.n_steps \
-        else f"{total} in the run"
-    evidence = f"{count} at {len(sites)} call site{'s' if len(sites) != 1 else ''}"
-    details = [f"{w} {op}{f' ({c}x in all)' if c else ''}: {OPS.get(op, 'remove it from the step')}"
-               for w, op, c in sites]
-    return _finding("sync", "Host-device syncs stall the GPU every step", impact, evidence,
-                    data, 'perfsdk.no_sync_guard("error") around the step (or '
-                    "PERFSDK_SYNC_GUARD=error in CI) raises at each line below", details)
+            "outside_steps": n_out if run.n_steps else 0, "sites": rows}
+    where = sum(1 for row in rows if row["in_steps"])
+    if run.n_steps:
+        evidence = (f"{per_step:.1f} per step ({n_in} in {run.n_steps} steps) at {where} call "
+                    f"site{'s' if where != 1 else ''}")
+        if n_out:
+            evidence += f"; {n_out} more outside the steps"
+    else:
+        evidence = f"{total} in the run at {where} call site{'s' if where != 1 else ''}"
+    sites = []
+    for row in rows:
+        op = str(row["op"])
+        outside = " (outside the steps)" if run.n_steps and not row["in_steps"] else ""
+        fix = OPS.get(op, "more call sites than a region lists; see perfsdk.summary()")
+        sites.append(f"{row['where']} {op} ({row['count']}x in all){outside}: {fix}")
+    return _finding(run, "sync", "Host-device syncs stall the GPU every step", impact, evidence,
+                    data, [
+        _Fix('perfsdk.configure(sync_guard="error")',
+             "every perfsdk.no_sync_guard then raises at the line that syncs "
+             "(PERFSDK_SYNC_GUARD=error in CI); the fix for each site is below")], sites)
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _where_op(site: str) -> tuple[str, str]:
+    """``("file:line", "op")`` of a ``"file:line op"`` site."""
+    where, _, op = site.rpartition(" ")
+    return (where, op) if where and ":" in where else (site, "")
 
 
 def _timed(run: Run) -> list[RegionResult]:
@@ -304,13 +427,15 @@ def launch_rule(run: Run) -> Finding | None:
             "median_device_ms": median}
     evidence = "; ".join(signals) + (f"; {len(short)} regions with device times, median "
                                      f"{_ms(median)}")
-    return _finding(
-        "launch", "Launch overhead: the GPU idles between small kernels", impact, evidence,
-        data, "model, report = perfsdk.optimize.optimize(model, x, compile=True)",
-        ["model = perfsdk.optimize.apply_cuda_graphs(model)  (inference, fixed shapes)",
-         'perfsdk.optimize.apply_compile(model, mode="reduce-overhead")  (CUDA graphs '
-         "through torch.compile)",
-         "a larger batch does more work per launch"])
+    return _finding(run, "launch", "Launch overhead: the GPU idles between small kernels",
+                    impact, evidence, data, [
+        _Fix("model, report = perfsdk.optimize.optimize(model, inputs, compile=True)",
+             "compiled against eager on your inputs, checked and timed", "compile"),
+        _Fix('model = perfsdk.optimize.apply_compile(model, mode="reduce-overhead")',
+             "CUDA graphs through torch.compile", "compile"),
+        _Fix("model = perfsdk.optimize.apply_cuda_graphs(model)",
+             "inference with fixed shapes", "cuda_graphs"),
+        _Fix("# a larger batch does more work per launch")])
 
 
 def memory_rule(run: Run) -> Finding | None:
@@ -343,12 +468,13 @@ def memory_rule(run: Run) -> Finding | None:
         evidence += f"; {len(ooms)} region(s) ran out of memory"
     data = {"peak_bytes": peak, "capacity_bytes": run.capacity, "fraction": fraction,
             "oom_regions": len(ooms)}
-    return _finding(
-        "memory", "Memory pressure: the peak is near the device's capacity", impact, evidence,
-        data, "model = perfsdk.optimize.apply_checkpointing(model, segments=2)",
-        ["model = perfsdk.optimize.apply_amp(model)  (or TrainStep(..., amp=\"bf16\")): "
-         "half-size activations",
-         "a smaller batch, with TrainStep(..., accumulate=k) to keep the effective batch"])
+    return _finding(run, "memory", "Memory pressure: the peak is near the device's capacity",
+                    impact, evidence, data, [
+        _Fix("model = perfsdk.optimize.apply_checkpointing(model, segments=2)",
+             "recomputes activations in backward instead of keeping them", "checkpointing"),
+        _Fix("model = perfsdk.optimize.apply_amp(model)", "half-size activations", "amp"),
+        _Fix("step = perfsdk.optimize.TrainStep(model, optimizer, loss_fn, accumulate=2)",
+             "with half the batch size per call: the same effective batch in less memory")])
 
 
 def _is_compute(r: RegionResult) -> bool:
@@ -383,12 +509,19 @@ def compute_rule(run: Run, found: Sequence[Finding]) -> Finding | None:
                 f" = {_pct(share)} of {run.of_loop()}; heaviest: "
                 + ", ".join(f"{n} {_ms(ms / per)}" for n, ms in heavy))
     data = {"compute_ms": total, "share": share, "heaviest": dict(heavy)}
-    return _finding(
-        "compute", "Compute-bound: forward and backward dominate", share, evidence, data,
-        "model = perfsdk.optimize.apply_amp(model)  (training: TrainStep(..., amp=\"bf16\"))",
-        ["model, report = perfsdk.optimize.optimize(model, x, auto=True)  (AMP, compile, "
-         "channels-last: keeps the fastest that matches)",
-         "perfsdk.optimize.apply_compile(model)"])
+    measured = [s for s in ("amp", "compile", "channels_last") if s not in run.on]
+    return _finding(run, "compute", "Compute-bound: forward and backward dominate", share,
+                    evidence, data, [
+        *([_Fix("model, report = perfsdk.optimize.optimize(model, inputs, auto=True)",
+                f"measures {_and([_STATES[s] for s in measured])} on this machine and keeps "
+                "the fastest that computes the same")] if measured else []),
+        _Fix("model = perfsdk.optimize.apply_amp(model)",
+             "by hand: autocast (bfloat16 on a CPU, float16 on CUDA); measure it, some CPUs "
+             "emulate bfloat16", "amp"),
+        _Fix('step = perfsdk.optimize.TrainStep(model, optimizer, loss_fn, amp="bf16")',
+             "training: forward under autocast, loss = step(inputs, target=target)", "amp"),
+        _Fix("model = perfsdk.optimize.apply_compile(model)", "", "compile")],
+                    covers=("amp", "compile", "channels_last"))
 
 
 RULES = (data_rule, sync_rule, launch_rule, memory_rule)

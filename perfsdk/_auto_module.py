@@ -12,6 +12,10 @@ of its submodules. ``TransformerEncoder`` and ``TransformerEncoderLayer`` are th
 a wrapper of that one module's ``forward`` (an instance attribute, no hook) and the layers'
 submodules (``self_attn``, ``linear1`` ...) get nothing: each layer is one region.
 
+The model's own region also records what it runs with: ``perfsdk.transforms`` and
+``perfsdk.amp`` from ``perfsdk.optimize.applied(model)`` at the time of the call, and
+``perfsdk.amp`` when the caller's ``torch.autocast`` is on at its forward.
+
 ``torch.compile``: every hook and wrapper starts with ``torch.compiler.is_dynamo_compiling()``,
 which dynamo folds to True, so a compiled model traces to one graph with nothing recorded inside
 it (time it from outside, e.g. with a step region).
@@ -32,6 +36,7 @@ import torch
 from torch import nn
 
 from perfsdk import _auto_backward as _bwd
+from perfsdk._auto_steps import autocast_dtype
 from perfsdk.config import state as _state
 from perfsdk.errors import warn_once
 from perfsdk.region import Region, RegionSpec
@@ -51,8 +56,10 @@ Pattern = str | type[nn.Module]
 
 
 @functools.lru_cache(maxsize=8192)
-def _spec(name: str, category: str, path: str) -> RegionSpec:
-    return RegionSpec.create(name, category=category, attributes={"perfsdk.module": path},
+def _spec(name: str, category: str, path: str, state: tuple[tuple[str, Any], ...] = ()
+          ) -> RegionSpec:
+    return RegionSpec.create(name, category=category,
+                             attributes={"perfsdk.module": path, **dict(state)},
                              asynchronous=category == "module.backward", where="instrument_module")
 
 
@@ -69,8 +76,9 @@ class _Probe:
 
     __slots__ = ("backward", "bwd", "root", "spec")
 
-    def __init__(self, name: str, path: str, backward: bool, root: bool) -> None:
-        self.spec = _spec(name, "module", path)
+    def __init__(self, name: str, path: str, backward: bool, root: bool,
+                 state: tuple[tuple[str, Any], ...] = ()) -> None:
+        self.spec = _spec(name, "module", path, state)
         self.bwd = _spec(f"{name}.backward", "module.backward", path) if backward else None
         self.backward = backward
         self.root = root
@@ -86,6 +94,10 @@ class _Probe:
         boundary = _bwd.input_nodes(args, kwargs) if self.backward and _grad_enabled() else None
         region = Region(self.spec)
         region.enter()
+        if self.root:
+            amp = autocast_dtype()
+            if amp is not None:  # the model runs under the caller's autocast
+                region.set_attribute("perfsdk.amp", amp)
         _stack().append((self, region, boundary))
 
     def exit(self, output: Any, error: BaseException | None) -> None:
@@ -289,6 +301,10 @@ def instrument_module(
     wanted = _patterns("include", include)
     unwanted = _patterns("exclude", exclude)
     root_name = type(getattr(model, "_orig_mod", model)).__name__
+    from perfsdk.optimize._marks import region_attributes
+
+    # what perfsdk.optimize applied to the model, on its root region ("already on" in advice)
+    state = tuple(region_attributes(model).items())
     done = ModuleInstrumentation(model)
     found = list(_walk(model, "", 0, depth, set(), done.skipped, root_name))
     try:
@@ -300,7 +316,8 @@ def instrument_module(
                 continue
             if unwanted is not None and _matches(unwanted, module, path, name):
                 continue
-            probe = _Probe(name, path, backward, root=level == 0)
+            probe = _Probe(name, path, backward, root=level == 0,
+                           state=state if level == 0 else ())
             done.regions.append(name)
             if isinstance(module, FAST_PATH_TYPES):
                 previous = module.__dict__.get("forward")

@@ -28,7 +28,7 @@ from perfsdk import config as _config
 from perfsdk.distributed import step_trace_id
 from perfsdk.region import Region, RegionSpec, now_ns
 
-__all__ = ["PHASES", "Schedule", "Step", "StepListener", "Steps", "schedule"]
+__all__ = ["PHASES", "Schedule", "Step", "StepListener", "Steps", "autocast_dtype", "schedule"]
 
 PHASES = ("wait", "warmup", "active", "done")
 """What :meth:`Schedule.phase` returns; only ``active`` steps are recorded."""
@@ -99,6 +99,19 @@ class StepListener(Protocol):
 
     def on_step_start(self, index: int) -> None: ...
     def on_step_end(self, index: int) -> None: ...
+
+
+_autocast_on = torch.is_autocast_enabled
+_autocast_dtype = torch.get_autocast_dtype
+
+
+def autocast_dtype() -> str | None:
+    """The dtype ``torch.autocast`` is on with in this thread (``"bfloat16"``, ``"float16"``),
+    CUDA's first, or None: what a region records as ``perfsdk.amp`` at its entry."""
+    for device in ("cuda", "cpu"):
+        if _autocast_on(device):
+            return str(_autocast_dtype(device)).removeprefix("torch.")
+    return None
 
 
 @functools.cache
@@ -209,6 +222,9 @@ class Steps:
             attrs: dict[str, Any] = {"perfsdk.step": index}
             if samples is not None:
                 attrs["perfsdk.samples"] = samples
+            amp = autocast_dtype()
+            if amp is not None:  # the step runs under autocast (the advisor: "already on")
+                attrs["perfsdk.amp"] = amp
             region = Region(_step_spec(), attrs)
             region.enter()
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it

@@ -10,13 +10,18 @@ pageable memory). Each classifier answers an op label from :data:`OPS` or None.
 
 A tensor counts as a device tensor when it lives on a device other than the CPU (or ``meta``),
 or, with ``assume_device=True``, always: then a CPU-only run flags what *would* synchronize on a
-GPU. What this module decides is reported through the ``report`` callback given to
-:func:`push_modes`; it never raises on its own.
+GPU. Except what is known to be on the host: the result of ``.cpu()``, of ``.to("cpu")`` of a
+device tensor, and what an operation computes from such results only (``x.cpu().sum()``). On a
+CPU-only run ``x.cpu()`` returns ``x`` itself; under ``assume_device`` the detector hands back an
+alias of it instead (a view, as a copy from a GPU would be a new tensor), so that only the alias,
+not ``x``, is taken as the host copy. What this module decides is reported through the
+``report`` callback given to :func:`push_modes`; it never raises on its own.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +32,7 @@ from torch.utils._python_dispatch import (
     _get_current_dispatch_mode_stack,
 )
 
-__all__ = ["OPS", "push_modes", "pop_modes"]
+__all__ = ["OPS", "on_host", "push_modes", "pop_modes"]
 
 OPS: dict[str, str] = {
     # label: how to avoid it (shown in warnings, errors and the docs)
@@ -66,8 +71,58 @@ _HOST = frozenset({"cpu", "meta"})
 _aten = torch.ops.aten
 
 
+# Tensors known to be on the host although assume_device stands every tensor for a device one:
+# results of copies to the host, and what was computed from those alone. By id, with a weak
+# reference to tell a live tensor from a later one with the same id (tensors compare
+# elementwise, so they cannot be members of a WeakSet).
+_ON_HOST: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _forget(key: int) -> Callable[[weakref.ref[torch.Tensor]], None]:
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        if _ON_HOST.get(key) is ref:
+            _ON_HOST.pop(key, None)
+    return forget
+
+
+def _mark_host(value: Any) -> None:
+    """Remember the tensors in ``value`` (a tensor, or a tuple or list of them) as host ones."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for t in items:
+        if isinstance(t, torch.Tensor) and t.device.type in _HOST:
+            key = id(t)
+            try:
+                _ON_HOST[key] = weakref.ref(t, _forget(key))
+            except TypeError:  # not weakly referenceable: stays a device tensor
+                pass
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is known to be a host copy (a result of ``.cpu()``, or computed from those
+    alone), which ``assume_device`` does not take for a device tensor."""
+    ref = _ON_HOST.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _dev(t: Any, assume: bool) -> bool:
-    return isinstance(t, torch.Tensor) and (assume or t.device.type not in _HOST)
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.device.type not in _HOST:
+        return True
+    return assume and not (_ON_HOST and on_host(t))
+
+
+def _all_host(args: tuple[Any, ...]) -> bool:
+    """Whether the tensors among ``args`` (one level into lists and tuples) are all host copies
+    (and there is at least one)."""
+    seen = False
+    for a in args:
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                if not on_host(t):
+                    return False
+                seen = True
+    return seen
 
 
 def _pinned(t: torch.Tensor) -> bool:
@@ -202,6 +257,33 @@ _FUNCTION: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], bool], str | Non
     _Tensor.__format__: _first("print"),
 }
 
+def _copied_to_host(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+    """``Tensor.to`` moved a device tensor to the host (``x.to("cpu")`` of a CPU tensor is read
+    as the upload portable code writes: see :func:`_fn_to`)."""
+    src = args[0] if args else None
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and src.device.type not in _HOST and out.device.type in _HOST)
+
+
+def _host_copy(src: Any, out: Any, scope: Any) -> Any:
+    """The result of a copy to the host, remembered as such. A CPU tensor's ``.cpu()`` is the
+    tensor itself: under ``assume_device`` an alias stands for the copy a GPU would make, so the
+    source stays a device tensor (not for a parameter or another leaf that requires grad, whose
+    identity module code relies on: ``Module.cpu()`` sets ``param.data`` to the result)."""
+    if not isinstance(out, torch.Tensor):
+        return out
+    if out is src:
+        if (scope is None or not scope.assume_any or isinstance(out, torch.nn.Parameter)
+                or (out.requires_grad and out.is_leaf)):
+            return out
+        try:
+            out = out.view_as(out)
+        except Exception:  # a layout without views (sparse): left as it is
+            return src
+    _mark_host(out)
+    return out
+
+
 Report = Callable[[str, str, bool], bool]
 """``report(label, operator, real)``: record a sync (``real``: it is one without
 ``assume_device`` too); the guard raises from inside the callback in ``error`` mode."""
@@ -240,6 +322,10 @@ class _FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         classify = _FUNCTION.get(func)
         if classify is None:
+            if _ON_HOST and _all_host(args):  # computed from host copies alone: on the host
+                out = func(*args, **kwargs)
+                _mark_host(out)
+                return out
             return func(*args, **kwargs)
         local = LOCAL
         scope = self._active()
@@ -249,9 +335,12 @@ class _FunctionMode(TorchFunctionMode):
                 self._report(label, f"Tensor.{func.__name__}", real)
         local.quiet += 1  # one report per user-level call: not again for its ATen operators
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             local.quiet -= 1
+        if func is _Tensor.cpu or (func is _Tensor.to and _copied_to_host(args, kwargs, out)):
+            out = _host_copy(args[0], out, scope)
+        return out
 
 
 class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]

@@ -4,20 +4,26 @@
 material teaches (profile, find the bottleneck, apply the matching fix, measure again):
 
 - ``data``: ``data_wait`` regions take more than :data:`DATA_SHARE` of the loop time;
-  fix ``tune_dataloader(dataset, batch_size)`` / ``DataLoader(num_workers=..., ...)``.
-- ``sync``: regions carry ``perfsdk.syncs``, at least :data:`SYNCS_PER_STEP` per step; fix
-  ``no_sync_guard("error")`` and the fix for each call site.
+  fix ``perfsdk.optimize.tune_dataloader(loader.dataset, loader.batch_size)``.
+- ``sync``: the steps' regions carry ``perfsdk.syncs``, at least :data:`SYNCS_PER_STEP` per
+  step (syncs outside the steps are reported as such, never divided by the steps); fix
+  ``perfsdk.configure(sync_guard="error")`` and the fix for each call site.
 - ``launch`` (only with device times): host time at least :data:`LAUNCH_HOST_DEVICE_RATIO`
   times device time, or GPU utilization below :data:`LAUNCH_UTILIZATION` with short steps;
-  fix ``optimize(model, x, compile=True)`` / ``apply_cuda_graphs``.
+  fix ``perfsdk.optimize.optimize(model, inputs, compile=True)`` / ``apply_cuda_graphs``.
 - ``memory``: a peak above :data:`MEMORY_PRESSURE` of ``device_memory_bytes``, or an
   out-of-memory error; fix ``apply_checkpointing``, AMP, a smaller batch.
 - ``compute``: none of data, sync, launch, and forward/backward take at least
-  :data:`COMPUTE_SHARE`; fix ``apply_amp``, then ``optimize(model, x, auto=True)``.
+  :data:`COMPUTE_SHARE`; fix ``perfsdk.optimize.optimize(model, inputs, auto=True)``, which
+  measures AMP, compile and channels-last on this machine.
 
 Findings are ordered by their estimated impact (the share of the loop time at stake). The first
-step is left out as warm-up when there are at least :data:`WARMUP_MIN_STEPS`. What a rule could
-not check (no steps, no device times, no memory records) is listed in ``notes``. See
+step is left out as warm-up when there are at least :data:`WARMUP_MIN_STEPS`. A fix the regions
+say is already on (``perfsdk.amp``, ``perfsdk.transforms``: autocast, compile, channels-last,
+checkpointing, CUDA graphs) is not recommended again; the finding says it is on. Every fix is a
+statement that runs as printed, given ``perfsdk``, ``torch`` and :data:`NAMES` (``model``,
+``inputs``, ``loader``, ``optimizer``, ``loss_fn``), or a ``#`` comment. What a rule could not
+check (no steps, no device times, no memory records) is listed in ``notes``. See
 docs/advisor.md.
 
 Example (on a fake clock, so the numbers are exact; a real loop reads the real one):
@@ -31,8 +37,10 @@ Example (on a fake clock, so the numbers are exact; a real loop reads the real o
     ...         with perfsdk.timed_region("step", category="step"):
     ...             clock.advance(1)
     >>> advice = advise(cap.regions)
-    >>> advice.findings[0].kind, advice.findings[0].fix, round(advice.findings[0].impact, 2)
-    ('data', 'perfsdk.optimize.tune_dataloader(dataset, batch_size)', 0.95)
+    >>> advice.findings[0].kind, round(advice.findings[0].impact, 2)
+    ('data', 0.95)
+    >>> advice.findings[0].fix
+    'tuning = perfsdk.optimize.tune_dataloader(loader.dataset, loader.batch_size)'
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from perfsdk._advisor_rules import (
     LAUNCH_UTILIZATION,
     MEMORY_PRESSURE,
     MEMORY_WEIGHT,
+    NAMES,
     RULES,
     SYNC_MIN_IMPACT,
     SYNC_STALL_MS,
@@ -66,7 +75,7 @@ from perfsdk.record import RegionResult
 
 __all__ = [
     "COMPUTE_SHARE", "DATA_SHARE", "KINDS", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
-    "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT",
+    "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT", "NAMES",
     "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
     "Advice", "Finding", "advise",
 ]
@@ -109,6 +118,7 @@ class Advice:
         for f in self.findings:
             d = dataclasses.asdict(f)
             d["data"], d["details"] = dict(f.data), list(f.details)
+            d["sites"], d["already_on"] = list(f.sites), list(f.already_on)
             out.append(d)
         return out
 
@@ -122,19 +132,33 @@ class Advice:
         return render(self)
 
 
-def _block(label: str, lines: Iterable[str]) -> list[str]:
+def _block(label: str, lines: Iterable[str], *, code: bool = False) -> list[str]:
+    """Lines under a label. Prose wraps. With ``code``, a statement is never wrapped, so that it
+    runs as printed, and a ``#`` comment wraps into more comment lines."""
     out = []
     for i, line in enumerate(lines):
         head = f"   {label if i == 0 else '':<9} "
-        wrapped = textwrap.wrap(line, _WIDTH - len(head), break_on_hyphens=False,
+        comment = line.startswith("#")
+        if code and not comment:
+            out.append(head + line)
+            continue
+        comment = code and comment
+        body = line[1:].strip() if comment else line
+        width = _WIDTH - len(head) - (2 if comment else 0)
+        wrapped = textwrap.wrap(body, width, break_on_hyphens=False,
                                 break_long_words=False) or [""]
-        out.append(head + wrapped[0])
-        out += [" " * len(head) + "  " + w for w in wrapped[1:]]
+        if comment:
+            out += [(head if j == 0 else " " * len(head)) + "# " + w
+                    for j, w in enumerate(wrapped)]
+        else:
+            out.append(head + wrapped[0])
+            out += [" " * len(head) + "  " + w for w in wrapped[1:]]
     return out
 
 
 def render(advice: Advice) -> str:
-    """The advice as aligned terminal text."""
+    """The advice as aligned terminal text. The ``fix`` and ``also`` lines are Python: each
+    statement runs as printed (given :data:`NAMES`), the rest are ``#`` comments."""
     if advice.steps:
         warm = f" after {advice.warmup_steps} warm-up" if advice.warmup_steps else ""
         head = (f"perfsdk advice: {advice.steps} steps{warm}, "
@@ -150,9 +174,17 @@ def render(advice: Advice) -> str:
         at_stake = "" if f.kind == "memory" else f", ~{100 * f.impact:.0f}% of {of}"
         lines += ["", f"{n}. {f.title}  [{f.severity}{at_stake}]"]
         lines += _block("evidence", [f.evidence])
-        lines += _block("fix", [f.fix])
-        if f.details:
-            lines += _block("sites" if f.kind == "sync" else "also", f.details)
+        lead = 0  # the comments right after the fix explain it: under "fix"
+        while lead < len(f.details) and f.details[lead].startswith("#"):
+            lead += 1
+        lines += _block("fix", [f.fix, *f.details[:lead]], code=True)
+        if f.details[lead:]:
+            lines += _block("also", f.details[lead:], code=True)
+        if f.already_on:
+            lines += _block("already", ["on in this run, so not recommended again: "
+                                        + ", ".join(f.already_on)])
+        if f.sites:
+            lines += _block("sites", f.sites)
     if advice.notes:
         lines += ["", "Not checked / notes:"]
         for note in advice.notes:
@@ -172,8 +204,10 @@ def advise(regions: Iterable[RegionResult], *, device_memory_bytes: int | None =
         device_memory_bytes: the device's total memory, for the memory-pressure rule
             (``torch.cuda.get_device_properties(0).total_memory``); without it that rule only
             reports out-of-memory errors.
-        summary: ``perfsdk.summary(show=False)``: its ``sync_sites`` give per-site counts and
-            fixes (and syncs outside any region).
+        summary: ``perfsdk.summary(show=False)``: adds the syncs that happened outside any
+            region while this run's regions ran (its sites keep when they synced; syncs of
+            earlier or later runs in the process are not counted). Syncs inside regions come
+            from the regions themselves.
 
     Returns:
         An :class:`Advice`: findings ordered by estimated impact, and notes on what was not

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import fnmatch
@@ -38,12 +39,13 @@ import torch
 from perfsdk import _syncdebug, _syncops
 from perfsdk import config as _config
 from perfsdk import context as _ctx
+from perfsdk.clocks import epoch_ns
 from perfsdk.config import state as _state
 from perfsdk.errors import SyncError, SyncWarning, warn_once
-from perfsdk.region import Region
+from perfsdk.region import Region, now_ns
 
-__all__ = ["OPS", "SyncError", "SyncReport", "SyncSite", "SyncWarning", "no_sync_guard",
-           "sites"]
+__all__ = ["MAX_OUTSIDE_TIMES", "MAX_SPAN_SITES", "OPS", "SyncError", "SyncReport", "SyncSite",
+           "SyncWarning", "no_sync_guard", "short_path", "sites"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -51,12 +53,16 @@ Mode = Literal["warn", "error", "count", "off"]
 MODES = ("warn", "error", "count", "off")
 OPS = _syncops.OPS
 MAX_SPAN_SITES = 16
+"""Call sites listed per region (``perfsdk.sync_sites``); ``perfsdk.syncs`` counts them all."""
+MAX_OUTSIDE_TIMES = 1024
+"""Times kept per call site of the latest syncs outside any recorded region
+(:attr:`SyncSite.outside_ns`); :attr:`SyncSite.outside` counts them all."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncSite:
-    """One call site: the user's ``file:line``, the kind of sync (a key of :data:`OPS`), the
-    operator that synchronized, and how often."""
+    """One call site: the user's ``file:line`` (the first frame outside torch and perfsdk), the
+    kind of sync (a key of :data:`OPS`), the operator that synchronized, and how often."""
 
     file: str
     line: int
@@ -64,10 +70,26 @@ class SyncSite:
     operator: str
     count: int
     code: str = ""
+    via: str = ""
+    """``file:line`` in perfsdk through which the sync happened, when it was perfsdk's code
+    that synchronized on the user's behalf (``TrainStep.loss_history()``); else empty."""
+    outside: int = 0
+    """How many of ``count`` happened outside any recorded region."""
+    outside_ns: tuple[int, ...] = ()
+    """When those happened (wall-clock ns since the epoch, the clock of region start and end
+    times), the latest :data:`MAX_OUTSIDE_TIMES`, oldest first: how the advisor tells the syncs of
+    the run it is given from other runs' (skipped steps, whose regions are not recorded, leave
+    no time)."""
 
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}"
+
+    @property
+    def label(self) -> str:
+        """``"file:line op"`` with the file relative to the working directory, as regions list
+        their sites in ``perfsdk.sync_sites``."""
+        return f"{short_path(self.file)}:{self.line} {self.op}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,16 +121,18 @@ def render(sites: Iterable[SyncSite], *, allowed: int = 0) -> str:
         return head
     count_w = max(5, *(len(f"{s.count:,}") for s in rows))
     op_w = max(2, *(len(s.op) for s in rows))
-    wheres = [f"{_short(s.file)}:{s.line}" for s in rows]
+    wheres = [f"{short_path(s.file)}:{s.line}" for s in rows]
     where_w = max(5, *(len(w) for w in wheres))
     lines = [head, f"{'count':>{count_w}}  {'op':<{op_w}}  where"]
     for s, where in zip(rows, wheres, strict=True):
         text = f"{s.count:>{count_w},}  {s.op:<{op_w}}  {where:<{where_w}}"
-        lines.append(f"{text}  | {s.code}" if s.code else text.rstrip())
+        code = s.code + (f"  (in perfsdk at {_short_via(s.via)})" if s.via else "")
+        lines.append(f"{text}  | {code}" if code else text.rstrip())
     return "\n".join(lines)
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when it is below it, else as it is."""
     try:
         rel = os.path.relpath(path)
     except ValueError:
@@ -116,13 +140,21 @@ def _short(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def _short_via(via: str) -> str:
+    """``perfsdk/optimize/train_step.py:222`` for a ``file:line`` inside the package."""
+    root = os.path.dirname(_HERE.rstrip(os.sep)) + os.sep
+    return via[len(root):] if via.startswith(root) else via
+
+
 # -- where a sync came from ---------------------------------------------------------------------
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(__file__) + os.sep
-# torch's stand-ins (the fake device) count as torch; perfsdk's other modules are callers
+# the detector itself and torch's stand-ins (the fake device), which count as torch
 _OURS = frozenset({__file__, _syncops.__file__, _syncdebug.__file__, warnings.__file__,
                    functools.__file__,
                    _HERE + "testing.py", _HERE + "_fake_cuda.py", _HERE + "_fake_tensor.py"})
+# perfsdk's own scripts, which stand for a user's script: their lines are the call sites
+_CALLERS = frozenset({_HERE + "demo.py"})
 
 
 # torch code that reads host-side tensors by design (seeds, step counters): with assume_device
@@ -131,22 +163,59 @@ _HOST_SIDE_DIRS = (os.path.join(_TORCH_DIR, "utils", "data") + os.sep,)
 _HOST_SIDE_FUNCS = frozenset({(os.path.join(_TORCH_DIR, "optim", "optimizer.py"), "_get_value")})
 
 
-def _call_site() -> tuple[str, int, bool]:
-    """The innermost frame outside torch and this module: the line that asked for the sync,
-    and whether torch's host-side bookkeeping lies between. perfsdk's other modules count as
-    callers, so a sync of perfsdk's own shows up as one."""
+def _call_site() -> tuple[str, int, bool, str]:
+    """The innermost frame outside torch and perfsdk: the user's line that asked for the sync
+    (directly, or through a perfsdk helper such as ``TrainStep.loss_history()``); whether
+    torch's host-side bookkeeping lies between; and the innermost perfsdk line crossed on the
+    way (``""`` for none). Only where no frame outside perfsdk exists (perfsdk's own threads)
+    is perfsdk's line the site."""
     frame: Any = sys._getframe(2)
     host_side = False
+    via: tuple[str, int] | None = None
     while frame is not None:
         code = frame.f_code
         name = code.co_filename
         if name.startswith(_TORCH_DIR):
             host_side = host_side or name.startswith(_HOST_SIDE_DIRS) or (
                 (name, code.co_name) in _HOST_SIDE_FUNCS)
+        elif name.startswith(_HERE) and name not in _CALLERS:
+            if via is None and name not in _OURS:
+                via = (name, frame.f_lineno)
         elif not (name in _OURS or name.startswith("<frozen")):
-            return name, frame.f_lineno, host_side
+            return name, frame.f_lineno, host_side, f"{via[0]}:{via[1]}" if via else ""
         frame = frame.f_back
-    return "<unknown>", 0, host_side
+    if via is not None:
+        return via[0], via[1], host_side, ""
+    return "<unknown>", 0, host_side, ""
+
+
+class _Tally:
+    """The syncs at one call site: how many, and when those outside any region happened."""
+
+    __slots__ = ("code", "count", "operator", "outside", "times", "via")
+
+    def __init__(self, operator: str, code: str, via: str) -> None:
+        self.operator, self.code, self.via = operator, code, via
+        self.count = self.outside = 0
+        self.times: collections.deque[int] = collections.deque(maxlen=MAX_OUTSIDE_TIMES)
+
+    def add(self, outside: bool, when: int | None) -> None:
+        self.count += 1
+        if outside:
+            self.outside += 1
+            if when is not None:
+                self.times.append(when)
+
+    def site(self, key: tuple[str, int, str]) -> SyncSite:
+        file, line, op = key
+        return SyncSite(file, line, op, self.operator, self.count, self.code, self.via,
+                        self.outside, tuple(self.times))
+
+
+def _sorted(tallies: dict[tuple[str, int, str], _Tally]) -> list[SyncSite]:
+    items = [t.site(key) for key, t in tallies.items()]
+    items.sort(key=lambda s: (-s.count, s.file, s.line))
+    return items
 
 
 # -- per-guard state ---------------------------------------------------------------------------
@@ -184,15 +253,14 @@ def _active() -> _Frame | None:
 
 
 _lock = threading.Lock()
-_SITES: dict[tuple[str, int, str], list[Any]] = {}  # process-wide, for the summary
+_SITES: dict[tuple[str, int, str], _Tally] = {}  # process-wide, for the summary
 _WARNED: set[tuple[str, int, str]] = set()
 
 
 def sites() -> tuple[SyncSite, ...]:
     """Every sync any guard in this process has recorded, most frequent first."""
     with _lock:
-        items = [SyncSite(f, ln, op, v[1], v[0], v[2]) for (f, ln, op), v in _SITES.items()]
-    return tuple(sorted(items, key=lambda s: (-s.count, s.file, s.line)))
+        return tuple(_sorted(_SITES))
 
 
 def reset() -> None:
@@ -202,6 +270,11 @@ def reset() -> None:
         _WARNED.clear()
 
 
+def _recording_region() -> Region | None:
+    span = _ctx.current_span()
+    return span if type(span) is Region and span.is_recording() else None
+
+
 def _report(label: str, operator: str, real: bool = True) -> bool:
     """Record one sync for every open guard of this context that counts it (a guard without
     ``assume_device`` counts real ones only); the innermost of those decides: allow, warn or
@@ -209,16 +282,21 @@ def _report(label: str, operator: str, real: bool = True) -> bool:
     frame = _active()
     if frame is None:
         return True
-    file, line, host_side = _call_site()
+    file, line, host_side, via = _call_site()
     if host_side and not real:
         return True  # a CPU tensor that is host-side by design (a DataLoader seed, a step count)
     key = (file, line, label)
     code = linecache.getline(file, line).strip()
+    region = _recording_region()
+    outside = region is None
+    # a sync outside any region keeps its time, to tell which run it belongs to; none while a
+    # skipped step pauses recording (that step's regions are not recorded either)
+    when = epoch_ns(now_ns()) if outside and _state.enabled else None
     decider: _Frame | None = None
     counted = False
     while frame is not None:
         if frame.live and frame.open and (real or frame.assume_device):
-            took = frame.guard._take(key, operator, code)
+            took = frame.guard._take(key, operator, code, via, outside, when)
             if decider is None:
                 decider, counted = frame, took
         frame = frame.parent
@@ -226,46 +304,55 @@ def _report(label: str, operator: str, real: bool = True) -> bool:
         return True  # no guard here counts it, or the deciding guard allows it
     mode = decider.mode
     with _lock:
-        entry = _SITES.get(key)
-        if entry is None:
-            _SITES[key] = [1, operator, code]
-        else:
-            entry[0] += 1
-    _annotate_region(f"{_short(file)}:{line} {label}")
+        tally = _SITES.get(key)
+        if tally is None:
+            tally = _SITES[key] = _Tally(operator, code, via)
+        tally.add(outside, when)
+    if region is not None:
+        _annotate_region(region, f"{short_path(file)}:{line} {label}")
     if mode == "error":
-        raise SyncError(_message(label, operator, file, line, code, "no_sync_guard('error')"),
+        raise SyncError(_message(label, operator, file, line, code, via,
+                                 "no_sync_guard('error')"),
                         op=label, operator=operator, file=file, line=line)
     if mode == "warn":
         with _lock:
             first = key not in _WARNED
             _WARNED.add(key)
         if first:
-            warnings.warn_explicit(_message(label, operator, file, line, code, None),
+            warnings.warn_explicit(_message(label, operator, file, line, code, via, None),
                                    SyncWarning, file, line)
     return True
 
 
-def _message(label: str, operator: str, file: str, line: int, code: str,
+def _message(label: str, operator: str, file: str, line: int, code: str, via: str,
              raised_by: str | None) -> str:
-    where = f"{_short(file)}:{line}"
+    where = f"{short_path(file)}:{line}"
     text = f"host-device sync ({label}, {operator}) at {where}"
     if code:
         text += f": {code}"
+    if via:
+        text += f" (in perfsdk at {_short_via(via)})"
     text += f". Fix: {OPS.get(label, '')}."
     if raised_by:
         text += f" Raised by {raised_by}; allow it with allow=({label!r},) or ({where!r},)."
     return text
 
 
-def _annotate_region(site: str) -> None:
-    span = _ctx.current_span()
-    if type(span) is not Region or not span.is_recording():
-        return
+def _annotate_region(span: Region, site: str) -> None:
+    """Count the sync on the region it happened in: ``perfsdk.syncs`` in all, and per call site
+    ``perfsdk.sync_sites`` with ``perfsdk.sync_counts`` (at most :data:`MAX_SPAN_SITES`)."""
     attrs = span._attributes or {}
     span.set_attribute("perfsdk.syncs", int(attrs.get("perfsdk.syncs", 0)) + 1)
     known = tuple(attrs.get("perfsdk.sync_sites", ()))
-    if site not in known and len(known) < MAX_SPAN_SITES:
+    counts = tuple(attrs.get("perfsdk.sync_counts", ()))
+    if site in known:
+        at = known.index(site)
+        if at < len(counts):
+            span.set_attribute("perfsdk.sync_counts",
+                               (*counts[:at], counts[at] + 1, *counts[at + 1:]))
+    elif len(known) < MAX_SPAN_SITES:
         span.set_attribute("perfsdk.sync_sites", (*known, site))
+        span.set_attribute("perfsdk.sync_counts", (*counts, 1))
 
 
 # -- the guard ------------------------------------------------------------------------------
@@ -310,10 +397,11 @@ class no_sync_guard:
         self._ops = frozenset(i for i in self.allow if i in OPS)
         self._patterns = tuple(i for i in self.allow if i not in OPS)
         self._lock = threading.Lock()
-        self._sites: dict[tuple[str, int, str], list[Any]] = {}
+        self._sites: dict[tuple[str, int, str], _Tally] = {}
         self._allowed = 0
 
-    def _take(self, key: tuple[str, int, str], operator: str, code: str) -> bool:
+    def _take(self, key: tuple[str, int, str], operator: str, code: str, via: str = "",
+              outside: bool = False, when: int | None = None) -> bool:
         """Count one sync; False (and counted as allowed) when ``allow`` accepts it."""
         file, line, label = key
         where = f"{file}:{line}"
@@ -324,26 +412,23 @@ class no_sync_guard:
             if allowed:
                 self._allowed += 1
                 return False
-            entry = self._sites.get(key)
-            if entry is None:
-                self._sites[key] = [1, operator, code]
-            else:
-                entry[0] += 1
+            tally = self._sites.get(key)
+            if tally is None:
+                tally = self._sites[key] = _Tally(operator, code, via)
+            tally.add(outside, when)
         return True
 
     @property
     def report(self) -> SyncReport:
         with self._lock:
-            items = [SyncSite(f, ln, op, v[1], v[0], v[2])
-                     for (f, ln, op), v in self._sites.items()]
+            items = _sorted(self._sites)
             allowed = self._allowed
-        items.sort(key=lambda s: (-s.count, s.file, s.line))
         return SyncReport(tuple(items), allowed)
 
     @property
     def total(self) -> int:
         with self._lock:
-            return sum(v[0] for v in self._sites.values())
+            return sum(t.count for t in self._sites.values())
 
     def __enter__(self) -> no_sync_guard:
         parent = _ACTIVE.get()

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["applied", "fallbacks", "mark"]
+__all__ = ["applied", "fallbacks", "mark", "region_attributes"]
 
 _KEY = "_perfsdk_applied"
 
@@ -36,6 +36,36 @@ def applied(model: nn.Module) -> dict[str, dict[str, Any]]:
     none)."""
     record: dict[str, dict[str, Any]] = model.__dict__.get(_KEY, {})
     return {name: dict(options) for name, options in record.items()}
+
+
+def region_attributes(model: nn.Module) -> dict[str, Any]:
+    """Span attributes that say what ``model`` runs with, for the regions that time it:
+    ``perfsdk.transforms`` (the transforms applied, sorted; ``compile`` also for the module
+    ``torch.compile(model)`` returns) and ``perfsdk.amp`` (the autocast dtype of
+    ``apply_amp``). ``{}`` for a plain model. The advisor reads them to say "already on" instead of
+    recommending a transform again.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> mark(model, "amp", dtype="bfloat16")
+        >>> region_attributes(model)
+        {'perfsdk.transforms': ('amp',), 'perfsdk.amp': 'bfloat16'}
+    """
+    record = applied(model)
+    inner = getattr(model, "module", None)  # DistributedDataParallel, DataParallel
+    if isinstance(inner, nn.Module):
+        record = {**applied(inner), **record}
+    names = set(record)
+    if hasattr(model, "_orig_mod"):  # torch.compile(model): an OptimizedModule
+        names.add("compile")
+    attrs: dict[str, Any] = {}
+    if names:
+        attrs["perfsdk.transforms"] = tuple(sorted(names))
+    dtype = record.get("amp", {}).get("dtype")
+    if isinstance(dtype, str):
+        attrs["perfsdk.amp"] = dtype
+    return attrs
 
 
 def fallbacks(model: nn.Module) -> dict[str, BaseException]:

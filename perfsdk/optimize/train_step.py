@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from perfsdk.errors import PerfSDKWarning, warn_once
+from perfsdk.optimize._marks import region_attributes
 from perfsdk.timing import timed_region
 
 __all__ = ["TrainStep"]
@@ -151,9 +152,13 @@ class TrainStep:
         self._no_sync = getattr(model, "no_sync", None)
         if not callable(self._no_sync):
             self._no_sync = None
-        self._fwd = timed_region("train.forward")
-        self._bwd = timed_region("train.backward")
-        self._opt = timed_region("train.optimizer")
+        # what the step runs with, on its regions (the advisor says "already on" from them)
+        state = region_attributes(model)
+        if self.dtype is not None:
+            state["perfsdk.amp"] = str(self.dtype).removeprefix("torch.")
+        self._fwd = timed_region("train.forward", attributes=state)
+        self._bwd = timed_region("train.backward", attributes=state)
+        self._opt = timed_region("train.optimizer", attributes=state)
 
     def _region(self, region: timed_region) -> contextlib.AbstractContextManager[Any]:
         return region if self.regions else contextlib.nullcontext()

@@ -5,13 +5,15 @@ function, nested regions with attributes and events, memory tracking, sampling, 
 file and in memory, metrics, NVTX, device timing and NVML readings on the fake GPU), runs under
 ``no_sync_guard("error", assume_device=True)``: any operation of perfsdk's that would synchronize
 on a GPU raises. The same step under a ``count`` guard reports nothing, and the fake GPU saw no
-synchronizing call from any thread. A control proves the detector would have named perfsdk's
-own file: a region that asks for a sync (``sync=True``) is reported at perfsdk/pipeline.py.
+synchronizing call from any thread. A control proves the detector would have seen perfsdk's
+own sync: a region that asks for one (``sync=True``) is reported at the user's line, through
+perfsdk/pipeline.py.
 """
 
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import time
 from pathlib import Path
@@ -138,14 +140,18 @@ def test_a_fully_instrumented_training_step_has_no_sync(
 
 def test_the_detector_would_name_perfsdk_itself(fake_cuda: FakeCuda) -> None:
     """Control: a region that asks for a sync (``sync=True``) makes perfsdk wait on the end
-    event, on the calling thread; the guard attributes that sync to perfsdk's own file."""
+    event, on the calling thread; the guard reports that sync at the user's line that asked for
+    it, and names perfsdk's own line it went through."""
     with no_sync_guard("count") as guard:
         fake_cuda.launch(2.0)
-        with perfsdk.timed_region("waits", sync=True):
+        with perfsdk.timed_region("waits", sync=True):  # <- the user's line
             fake_cuda.launch(1.0)
     [site] = guard.report.sites
     assert site.op == "cuda"
-    assert site.file.startswith(PERFSDK_DIR), site
-    assert Path(site.file).name == "pipeline.py"
-    assert "synchronize" in site.code
+    assert (site.file, site.code) == (__file__, 'with perfsdk.timed_region("waits", sync=True):'
+                                      "  # <- the user's line")
+    via, _, line = site.via.rpartition(":")
+    assert via.startswith(PERFSDK_DIR), site
+    assert Path(via).name == "pipeline.py"
+    assert "synchronize" in linecache.getline(via, int(line))
     assert fake_cuda.sync_calls == ["Event.synchronize"]

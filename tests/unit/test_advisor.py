@@ -7,9 +7,11 @@ ordering, text, JSON, missing data and a real training loop with a slow dataset.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import json
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from types import MappingProxyType
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import perfsdk
+import perfsdk.optimize
 from perfsdk import advisor, timed_region
 from perfsdk._syncops import OPS
 from perfsdk.advisor import Advice, Finding, advise
@@ -86,9 +89,10 @@ def test_data_bound_run_names_data_loading_with_its_numbers(clock):
     assert top.data["share"] == pytest.approx(80 / 88)
     assert top.impact == pytest.approx(top.data["share"], abs=1e-4)
     assert top.severity == "high"
-    assert top.fix == "perfsdk.optimize.tune_dataloader(dataset, batch_size)"
-    assert any("num_workers=" in d and "pin_memory=True" in d and "persistent_workers=True" in d
-               for d in top.details)
+    assert top.fix == ("tuning = perfsdk.optimize.tune_dataloader(loader.dataset, "
+                       "loader.batch_size)")
+    assert ("loader = torch.utils.data.DataLoader(loader.dataset, tuning.batch_size, "
+            "**tuning.best)") in top.details
     assert f"{100 * top.data['share']:.0f}%" in top.evidence
 
 
@@ -132,21 +136,21 @@ def test_syncs_every_step_are_named_with_site_and_fix(clock):
     sync = finding(advice, "sync")
     assert sync.data["syncs"] == 3  # after the warm-up step
     assert sync.data["syncs_per_step"] == 1.0
+    assert sync.data["outside_steps"] == 0
     ((site),) = sync.data["sites"]
     assert site["where"].endswith("test_advisor.py:" + str(_item.__code__.co_firstlineno + 1))
     assert site["op"] == "item"
-    assert site["count"] >= 4  # the summary's process-wide count
-    assert 'no_sync_guard("error")' in sync.fix
-    assert sync.details == (f"{site['where']} item ({site['count']}x in all): {OPS['item']}",)
-    assert "1.0 per step (3 in 3 steps)" in sync.evidence
+    assert (site["count"], site["in_steps"]) == (4, 3)  # this run, warm-up step included
+    assert sync.fix == 'perfsdk.configure(sync_guard="error")'
+    assert sync.sites == (f"{site['where']} item (4x in all): {OPS['item']}",)
+    assert sync.evidence == "1.0 per step (3 in 3 steps) at 1 call site"
 
 
 def test_sites_come_from_the_regions_without_a_summary(clock):
     with perfsdk.no_sync_guard("count", assume_device=True):
         regions = loop(clock, 2, body=_item)
     sync = finding(advise(regions), "sync")
-    assert [s["op"] for s in sync.data["sites"]] == ["item"]
-    assert sync.data["sites"][0]["count"] is None
+    assert [(s["op"], s["count"]) for s in sync.data["sites"]] == [("item", 2)]
 
 
 def test_no_syncs_no_finding_and_a_note(clock):
@@ -166,6 +170,105 @@ def test_an_occasional_sync_for_logging_is_below_the_threshold(clock, every, fou
     assert ("sync" in kinds(advise(regions))) is found
 
 
+def test_syncs_in_regions_nested_in_a_step_count_for_that_step(clock):
+    with perfsdk.no_sync_guard("count", assume_device=True), capture() as cap:
+        for _ in range(4):
+            with timed_region("step", category="step"), timed_region("forward",
+                                                                     category="compute"):
+                clock.advance(1)
+                _item(0)
+                _item(0)
+    regions = cap.regions
+    assert {r.name for r in regions if r.attributes.get("perfsdk.syncs")} == {"forward"}
+    sync = finding(advise(regions), "sync")
+    assert (sync.data["syncs"], sync.data["syncs_per_step"]) == (6, 2.0)
+    assert sync.data["sites"][0]["count"] == 8
+
+
+def test_syncs_outside_the_steps_are_not_divided_by_the_steps(clock):
+    """Six sync-free steps, then an evaluation region with three syncs: no per-step finding
+    (it used to say "0.6 per step (3 in 5 steps)"); a note names them as outside the steps."""
+    with perfsdk.no_sync_guard("count", assume_device=True), capture() as cap:
+        for i in range(6):
+            with timed_region("step", category="step", attributes={"perfsdk.step": i}):
+                clock.advance(5)
+        with timed_region("eval"):
+            for _ in range(3):
+                _item(0)
+    advice = advise(cap.regions)
+    assert "sync" not in kinds(advice)
+    assert "Host-device syncs" not in str(advice)
+    [note] = [n for n in advice.notes if "syncs outside the steps" in n]
+    assert note.startswith("host-device syncs outside the steps: 3 at ")
+    assert f"test_advisor.py:{_item.__code__.co_firstlineno + 1} item" in note
+
+
+def test_a_step_finding_also_names_the_syncs_outside_the_steps(clock):
+    with perfsdk.no_sync_guard("count", assume_device=True), capture() as cap:
+        for i in range(4):
+            with timed_region("step", category="step"):
+                clock.advance(5)
+                _item(i)
+            with timed_region("log"):
+                _log(i)
+    sync = finding(advise(cap.regions), "sync")
+    # the first log ran after the warm-up step ended: it is in the run that is analysed
+    assert sync.evidence == "1.0 per step (3 in 3 steps) at 1 call site; 4 more outside the steps"
+    assert (sync.data["syncs"], sync.data["outside_steps"]) == (3, 4)
+    assert [(s["op"], s["in_steps"], s["outside_steps"]) for s in sync.data["sites"]] == [
+        ("item", 3, 0), ("print", 0, 4)]
+    assert sync.sites[1].endswith(f"print (4x in all) (outside the steps): {OPS['print']}")
+
+
+def _log(i):
+    return f"{torch.ones(2).sum():.1f}"  # formatting a device value: a sync
+
+
+def test_a_summary_adds_only_the_syncs_outside_regions_of_this_run(clock):
+    """Syncs outside any region are only in the summary's sites, with their times: those of an
+    earlier run in the process are not this run's (they used to make a sync-free loop's top
+    finding "sync")."""
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        loop(clock, 4, body=_item)  # an earlier run: a sync in every step
+        for _ in range(5):
+            _item(0)  # ... and outside any region
+        clock.advance(10)
+        with capture() as cap:  # this run: no sync in its steps, two between them
+            for i in range(4):
+                with timed_region("step", category="step"):
+                    clock.advance(5)
+                if i in (1, 2):
+                    _log(i)
+    summary = perfsdk.summary(show=False)
+    assert sum(s.count for s in summary.sync_sites) == 4 + 5 + 2  # process-wide
+    advice = advise(cap.regions, summary=summary)
+    assert "sync" not in kinds(advice)
+    [note] = [n for n in advice.notes if "syncs outside the steps" in n]
+    assert note.startswith("host-device syncs outside the steps: 2 at ")
+    assert "print" in note
+    assert " item" not in note
+    quiet = advise(loop(clock, 4), summary=perfsdk.summary(show=False))
+    assert "sync" not in kinds(quiet)
+    assert any(n.startswith("host-device syncs: none recorded in this run") for n in quiet.notes)
+
+
+def test_without_steps_every_sync_of_the_run_counts(clock):
+    with perfsdk.no_sync_guard("count", assume_device=True):
+        _item(0)  # before the run: not counted
+        clock.advance(1)
+        with capture() as cap:
+            with timed_region("work"):
+                clock.advance(2)
+                _item(0)
+            _log(0)  # between the run's regions: counted from the summary
+            with timed_region("work"):
+                clock.advance(2)
+    sync = finding(advise(cap.regions, summary=perfsdk.summary(show=False)), "sync")
+    assert sync.evidence == "2 in the run at 2 call sites"
+    assert sync.data["syncs_per_step"] is None
+    assert finding(advise(cap.regions), "sync").evidence == "1 in the run at 1 call site"
+
+
 # -- launch overhead --------------------------------------------------------------------------
 def test_host_much_longer_than_device_is_launch_overhead(fake_cuda, clock):
     with capture() as cap:
@@ -182,8 +285,8 @@ def test_host_much_longer_than_device_is_launch_overhead(fake_cuda, clock):
     assert launch.data["host_device_ratio"] == pytest.approx(15 / 0.6)
     assert launch.data["host_device_ratio"] >= advisor.LAUNCH_HOST_DEVICE_RATIO
     assert launch.impact == pytest.approx(1 - 0.6 / 15)  # the GPU's idle share
-    assert "optimize(model, x, compile=True)" in launch.fix
-    assert any("apply_cuda_graphs" in d for d in launch.details)
+    assert launch.fix == "model, report = perfsdk.optimize.optimize(model, inputs, compile=True)"
+    assert "model = perfsdk.optimize.apply_cuda_graphs(model)" in launch.details
 
 
 def test_busy_gpu_is_not_launch_overhead(fake_cuda):
@@ -242,9 +345,9 @@ def test_peak_near_capacity_is_memory_pressure(fake_cuda):
     memory = finding(advice, "memory")
     assert memory.data["peak_bytes"] >= 950 * MiB
     assert memory.data["fraction"] > advisor.MEMORY_PRESSURE
-    assert "apply_checkpointing" in memory.fix
-    assert any("apply_amp" in d for d in memory.details)
-    assert any("smaller batch" in d for d in memory.details)
+    assert memory.fix == "model = perfsdk.optimize.apply_checkpointing(model, segments=2)"
+    assert "model = perfsdk.optimize.apply_amp(model)" in memory.details
+    assert any("accumulate=2" in d for d in memory.details)
     assert "950 MiB of 1,000 MiB (95%" in memory.evidence
 
 
@@ -272,8 +375,8 @@ def test_forward_dominating_is_compute_bound(clock):
     compute = advice.findings[0]
     assert compute.data["share"] == pytest.approx(50 / 51)  # 50 ms forward in a 51 ms step
     assert compute.data["share"] >= advisor.COMPUTE_SHARE
-    assert "apply_amp" in compute.fix
-    assert any("optimize(model, x, auto=True)" in d for d in compute.details)
+    assert compute.fix == "model, report = perfsdk.optimize.optimize(model, inputs, auto=True)"
+    assert "model = perfsdk.optimize.apply_amp(model)" in compute.details
     assert "forward" in compute.data["heaviest"]
 
 
@@ -300,6 +403,107 @@ def test_per_module_regions_count_once():
     assert list(compute.data["heaviest"]) == ["Net", "Net.fc"]
 
 
+# -- a fix already on is not recommended again --------------------------------------------------
+def _compute_bound_train_step(clock, model, **options):
+    """A compute-bound loop of TrainStep calls: 50 ms of forward a step, on the fake clock."""
+    def loss_fn(out, target):
+        clock.advance(50)  # the forward's work
+        return torch.nn.functional.mse_loss(out.float(), target)
+
+    step = perfsdk.optimize.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      loss_fn, **options)
+    with capture() as cap:
+        for _ in range(5):
+            with perfsdk.step():
+                step(torch.randn(4, 8), target=torch.zeros(4, 2))
+                clock.advance(1)
+    return cap.regions
+
+
+def test_autocast_already_on_is_not_recommended_again(clock):
+    """TrainStep(amp="bf16") records its autocast on its regions: the compute finding says it is
+    on and recommends what is not (it used to recommend apply_amp on the demo's fixed run)."""
+    regions = _compute_bound_train_step(clock, torch.nn.Linear(8, 2), amp="bf16")
+    assert {r.attributes.get("perfsdk.amp") for r in regions if r.name.startswith("train.")} \
+        == {"bfloat16"}
+    compute = finding(advise(regions), "compute")
+    assert compute.already_on == ("autocast (bfloat16)",)
+    assert compute.data["already_on"] == ["amp"]
+    assert compute.fix == "model, report = perfsdk.optimize.optimize(model, inputs, auto=True)"
+    code = [compute.fix, *compute.details]
+    assert not any("apply_amp" in line or "amp=" in line for line in code)
+    assert "model = perfsdk.optimize.apply_compile(model)" in code
+    assert "measures torch.compile and channels-last on this machine" in compute.details[0]
+    text = str(advise(regions))
+    assert ("   already   on in this run, so not recommended again: autocast (bfloat16)"
+            in text.splitlines())
+    plain = finding(advise(_compute_bound_train_step(clock, torch.nn.Linear(8, 2))), "compute")
+    assert plain.already_on == ()
+    assert "model = perfsdk.optimize.apply_amp(model)" in plain.details
+
+
+def test_autocast_at_a_steps_entry_counts_as_on(clock):
+    with capture() as cap:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16), perfsdk.step(), \
+                    timed_region("forward", category="compute"):
+                clock.advance(10)
+    assert [r.attributes.get("perfsdk.amp") for r in cap.named("step")] == ["bfloat16"] * 2
+    compute = finding(advise(cap.regions), "compute")
+    assert compute.data["already_on"] == ["amp"]
+    assert with_plain_steps(clock).data["already_on"] == []
+
+
+def with_plain_steps(clock):
+    with capture() as cap:
+        for _ in range(2):
+            with perfsdk.step(), timed_region("forward", category="compute"):
+                clock.advance(10)
+    assert all("perfsdk.amp" not in r.attributes for r in cap.regions)
+    return finding(advise(cap.regions), "compute")
+
+
+def test_an_instrumented_model_records_what_perfsdk_optimize_applied(clock):
+    import perfsdk.optimize
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 3))
+    model = perfsdk.optimize.apply_amp(perfsdk.optimize.apply_channels_last(model))
+    with capture() as cap, perfsdk.instrument_module(model, backward=False):
+        for _ in range(2):
+            with perfsdk.step(), timed_region("forward", category="compute"):
+                model(torch.randn(2, 3, 8, 8))
+                clock.advance(10)
+    root = cap.named("Sequential")
+    assert [r.attributes["perfsdk.transforms"] for r in root] == [("amp", "channels_last")] * 2
+    assert {r.attributes["perfsdk.amp"] for r in root} == {"bfloat16"}
+    assert all("perfsdk.transforms" not in r.attributes for r in cap.named("Sequential.0"))
+    compute = finding(advise(cap.regions), "compute")
+    assert compute.data["already_on"] == ["amp", "channels_last"]
+    assert "measures torch.compile on this machine" in compute.details[0]
+
+
+def test_compile_already_on_leaves_cuda_graphs_for_launch_overhead():
+    regions = [record("step", 10.0, category="step", device_ms=1.0, start_ms=10 * i,
+                      **{"perfsdk.transforms": ("compile",)}) for i in range(3)]
+    launch = finding(advise(regions), "launch")
+    assert launch.fix == "model = perfsdk.optimize.apply_cuda_graphs(model)"
+    assert launch.already_on == ("torch.compile",)
+    assert not any("compile" in line for line in launch.details)
+
+
+def test_every_fix_already_on_leaves_a_comment_instead():
+    state = {"perfsdk.amp": "bfloat16", "perfsdk.transforms": ("channels_last", "compile")}
+    regions = []
+    for i in range(3):
+        step = record("step", 10.0, category="step", start_ms=10 * i, **state)
+        regions += [step, record("forward", 9.0, category="compute", parent=step.span_id,
+                                 start_ms=10 * i)]
+    compute = finding(advise(regions), "compute")
+    assert compute.fix.startswith("# nothing new to apply")
+    assert compute.details == ()
+    assert compute.data["already_on"] == ["amp", "compile", "channels_last"]
+
+
 # -- warm-up ----------------------------------------------------------------------------------
 def test_a_slow_first_step_is_left_out_as_warm_up(clock):
     with capture() as cap:
@@ -317,6 +521,154 @@ def test_a_slow_first_step_is_left_out_as_warm_up(clock):
     assert three.basis_ms == 500 + 2 * 1.0 + 3 * 10.0
     assert kinds(three) == []  # 30 of 532 ms: below DATA_SHARE
     assert "warm-up" not in str(advise(cap.regions[:6]))
+
+
+# -- every printed fix runs as printed --------------------------------------------------------
+def _all_fixes() -> list[Advice]:
+    """Runs that make every rule fire, plain and with each fix already on, so that every line
+    the advisor can print under "fix" and "also" is printed at least once."""
+    def run(state: dict[str, object]) -> list[RegionResult]:
+        out = []
+        for i in range(3):
+            data = record("data_wait", 30.0, category="data", start_ms=100 * i)
+            step = record("step", 60.0, category="step", device_ms=1.0, start_ms=100 * i + 30,
+                          **state, **{"perfsdk.syncs": 2, "perfsdk.sync_sites": ("t.py:1 item",),
+                                      "perfsdk.sync_counts": (2,)})
+            out += [data, step]
+        return out
+
+    def compute(state: dict[str, object]) -> list[RegionResult]:
+        out = []
+        for i in range(3):
+            step = record("step", 10.0, category="step", start_ms=10 * i, **state)
+            out += [step, record("forward", 9.0, category="compute", parent=step.span_id,
+                                 start_ms=10 * i)]
+        return out
+
+    def memory(state: dict[str, object]) -> list[RegionResult]:
+        return [dataclasses.replace(r, memory={"perfsdk.memory.peak_bytes": 990 * MiB})
+                for r in compute(state)]
+
+    states: list[dict[str, object]] = [
+        {}, {"perfsdk.amp": "bfloat16"}, {"perfsdk.transforms": ("compile",)},
+        {"perfsdk.transforms": ("checkpointing", "cuda_graphs")},
+        {"perfsdk.amp": "float16", "perfsdk.transforms": ("channels_last", "compile")}]
+    advices = []
+    for state in states:
+        advices += [advise(run(state), device_memory_bytes=1000 * MiB),
+                    advise(compute(state)), advise(memory(state), device_memory_bytes=1000 * MiB)]
+    assert {f.kind for a in advices for f in a} == set(advisor.KINDS)
+    return advices
+
+
+def printed_code(advice: Advice) -> list[list[str]]:
+    """The lines of each finding printed under "fix" and "also", as printed (the label column
+    cut off)."""
+    blocks: list[list[str]] = []
+    label = ""
+    for line in str(advice).splitlines():
+        if line[:1].isdigit():
+            blocks.append([])
+            label = ""
+        elif line.startswith("   ") and blocks:
+            label = line[3:12].strip() or label
+            if label in ("fix", "also"):
+                blocks[-1].append(line[13:])
+    return blocks
+
+
+def user_names() -> dict[str, object]:
+    """What a user of the advice has: perfsdk, torch and advisor.NAMES."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 2, 3, padding=1),
+                          nn.Flatten(), nn.Linear(2 * 8 * 8, 2))
+    inputs = torch.randn(4, 3, 8, 8)
+    # an epoch longer than tune_dataloader's trial: no worker restarts, a quick tuning
+    data = torch.utils.data.TensorDataset(torch.randn(128, 3, 8, 8), torch.randn(128, 2))
+    names = {"perfsdk": perfsdk, "torch": torch, "model": model, "inputs": inputs,
+             "loader": torch.utils.data.DataLoader(data, batch_size=4),
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+             "loss_fn": torch.nn.functional.mse_loss}
+    assert set(names) == {"perfsdk", "torch", *advisor.NAMES}
+    return names
+
+
+def free_names(code: str) -> set[str]:
+    """Names a block reads before assigning them."""
+    import ast
+
+    assigned: set[str] = set()
+    free: set[str] = set()
+    for stmt in ast.parse(code).body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                    and node.id not in assigned:
+                free.add(node.id)
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                assigned.add(node.id)
+    return free
+
+
+def run_printed(blocks: Sequence[Sequence[str]]) -> int:
+    """Execute each finding's printed lines in order, each finding with fresh user names;
+    the number of statements run."""
+    from perfsdk import NoEffectWarning, PerfSDKWarning
+
+    ran = 0
+    for lines in blocks:
+        code = "\n".join(lines)
+        assert free_names(code) <= {"perfsdk", "torch", *advisor.NAMES}, code
+        names = user_names()
+        for line in lines:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                exec(compile(line, "<printed by the advisor>", "exec"), names)
+            # perfsdk warns only that apply_cuda_graphs has nothing to do on a CPU (torch's own
+            # deprecation warnings on first importing its compiler are not perfsdk's)
+            ours = [w for w in caught if issubclass(w.category, PerfSDKWarning)]
+            assert all(issubclass(w.category, NoEffectWarning) for w in ours), \
+                [str(w.message) for w in ours]
+            ran += not line.startswith("#")
+        assert isinstance(names["model"], torch.nn.Module)
+        assert isinstance(names["loader"], torch.utils.data.DataLoader)
+    return ran
+
+
+def test_every_printed_fix_runs_as_printed(monkeypatch):
+    """Each line printed under "fix" and "also" is a statement that runs, given perfsdk, torch
+    and the user's model, inputs, loader, optimizer and loss_fn, or a comment. optimize() with
+    compile or auto measures for minutes: here its arguments are bound to its real signature
+    (test_optimize_lines_run_for_real runs it)."""
+    real = perfsdk.optimize.optimize
+
+    def optimize(*args, **kwargs):
+        inspect.signature(real).bind(*args, **kwargs)
+        return args[0], "report"
+
+    monkeypatch.setattr(perfsdk.optimize, "optimize", optimize)
+    blocks = list(dict.fromkeys(tuple(b) for a in _all_fixes() for b in printed_code(a)))
+    printed = {line for block in blocks for line in block if not line.startswith("#")}
+    findings = [f for advice in _all_fixes() for f in advice]
+    assert printed == {line for f in findings for line in (f.fix, *f.details)
+                       if not line.startswith("#")}  # the text prints every one, unwrapped
+    assert len(printed) >= 10
+    assert run_printed(blocks) >= len(printed)
+
+
+@pytest.mark.slow
+def test_optimize_lines_run_for_real():
+    blocks = [b for advice in _all_fixes() for b in printed_code(advice)
+              if any("optimize.optimize(" in line for line in b)]
+    assert run_printed(blocks) > 0
+
+
+def test_a_statement_that_does_not_run_fails_the_check():
+    with pytest.raises(TypeError):
+        run_printed([["perfsdk.optimize.tune_dataloader(dataset=loader.dataset)"]])
+    with pytest.raises(AssertionError):
+        run_printed([["model = apply_amp(model)"]])  # a name the user does not have
 
 
 # -- ordering, text, JSON, missing data, arguments --------------------------------------------
@@ -349,8 +701,8 @@ def test_text_is_aligned_and_names_evidence_and_fix(clock):
     assert any(line.startswith("2. Host-device syncs") for line in lines)
     for label in ("evidence", "fix", "also", "sites"):
         assert any(line.startswith(f"   {label:<9} ") for line in lines), label
-    column = {line.index("perfsdk.optimize.tune_dataloader") for line in lines
-              if "tune_dataloader" in line}
+    column = {line.index("tuning = perfsdk.optimize.tune_dataloader") for line in lines
+              if "tune_dataloader(" in line}
     assert column == {len("   evidence  ")}
     assert "Not checked / notes:" in text
     assert all(len(line) <= 102 for line in lines)

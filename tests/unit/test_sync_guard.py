@@ -290,12 +290,16 @@ def test_report_total_dicts_and_table(x: torch.Tensor) -> None:
     report = guard.report
     assert isinstance(report, SyncReport)
     assert report.total == guard.total == 3
-    assert report.as_dicts() == [
+    dicts = report.as_dicts()
+    times = [d.pop("outside_ns") for d in dicts]  # outside any region: each sync's time kept
+    assert dicts == [
         {"file": HERE, "line": line_of("a"), "op": "item", "operator": "aten::_local_scalar_dense",
-         "count": 2, "code": "x.sum().item()  # <- sync:a"},
+         "count": 2, "code": "x.sum().item()  # <- sync:a", "via": "", "outside": 2},
         {"file": HERE, "line": line_of("b"), "op": "tolist", "operator": "Tensor.tolist",
-         "count": 1, "code": "x.tolist()  # <- sync:b"},
+         "count": 1, "code": "x.tolist()  # <- sync:b", "via": "", "outside": 1},
     ]
+    assert [len(t) for t in times] == [2, 1]
+    assert times[0][0] <= times[0][1] <= times[1][0]
     text = str(report)
     assert text.startswith("host-device syncs: 3 at 2 call sites")
     assert f"{short(HERE)}:{line_of('a')}" in text
@@ -314,17 +318,24 @@ def test_report_header_singular_and_empty(x: torch.Tensor) -> None:
 
 # -- regions, spans and the summary ---------------------------------------------------------------
 def test_syncs_are_attached_to_the_enclosing_region(x: torch.Tensor, captured: Capture) -> None:
-    with no_sync_guard("count", assume_device=True), perfsdk.timed_region("step"):
+    with no_sync_guard("count", assume_device=True) as guard, perfsdk.timed_region("step"):
         x.sum().item()  # <- sync:a
         x.max().item()  # <- sync:b
+        for _ in range(2):
+            x.sum().item()  # <- sync:c
     PIPELINE.drain(wait=True)
-    sites = (f"{short(HERE)}:{line_of('a')} item", f"{short(HERE)}:{line_of('b')} item")
+    sites = (f"{short(HERE)}:{line_of('a')} item", f"{short(HERE)}:{line_of('b')} item",
+             f"{short(HERE)}:{line_of('c')} item")
     (region,) = captured.named("step")
-    assert region.attributes["perfsdk.syncs"] == 2
+    assert region.attributes["perfsdk.syncs"] == 4
     assert tuple(region.attributes["perfsdk.sync_sites"]) == sites
+    assert tuple(region.attributes["perfsdk.sync_counts"]) == (1, 1, 2)
+    assert [s.outside for s in guard.report.sites] == [0, 0, 0]  # all inside the region
+    assert [s.label for s in guard.report.sites] == [sites[2], sites[0], sites[1]]
     span = captured.span("step")
-    assert span.attributes["perfsdk.syncs"] == 2
+    assert span.attributes["perfsdk.syncs"] == 4
     assert tuple(span.attributes["perfsdk.sync_sites"]) == sites
+    assert tuple(span.attributes["perfsdk.sync_counts"]) == (1, 1, 2)
 
 
 def test_summary_counts_syncs_per_region_and_lists_the_sites(x: torch.Tensor) -> None:
@@ -370,3 +381,95 @@ def test_compiled_function_still_computes_and_its_sync_is_reported() -> None:
     assert value == 16.0
     assert [(s.file, s.line, s.op) for s in guard.report.sites] == [(HERE, line_of(), "item")]
     assert stacks_empty()
+
+
+# -- what is on the host: copies to it, and what is computed from them alone -------------------
+def test_a_host_copy_is_read_without_another_sync(x: torch.Tensor) -> None:
+    with no_sync_guard("count", assume_device=True) as guard:
+        values = x.cpu().tolist()  # <- sync:a
+        array = x.cpu().numpy()  # <- sync:b
+        total = x.cpu().sum().item()  # <- sync:c
+        host = x.cpu()  # <- sync:d
+        described = f"{host.max():.1f}"
+    assert values == x.tolist()
+    assert array.tolist() == x.tolist()
+    assert (total, described) == (15.0, "5.0")
+    lines = [line_of("a"), line_of("b"), line_of("c"), line_of("d")]
+    assert [(s.line, s.op, s.count) for s in sorted(guard.report.sites, key=lambda s: s.line)] \
+        == [(line, "to_host", 1) for line in lines]
+
+
+def test_the_source_of_a_host_copy_stays_on_the_device(x: torch.Tensor) -> None:
+    with no_sync_guard("count", assume_device=True) as guard:
+        host = x.cpu()  # <- sync:a
+        x.sum().item()  # <- sync:b
+        (host + x).sum().item()  # <- sync:c
+    assert [(s.line, s.op) for s in sorted(guard.report.sites, key=lambda s: s.line)] == [
+        (line_of("a"), "to_host"), (line_of("b"), "item"), (line_of("c"), "item")]
+    assert torch.equal(host, x)
+
+
+def test_a_host_copy_keeps_autograd_and_parameters_keep_their_identity() -> None:
+    w = torch.nn.Parameter(torch.ones(3))
+    with no_sync_guard("count", assume_device=True) as guard:
+        assert w.cpu() is w  # module code (Module.cpu()) relies on it
+        copy = (w * 2).cpu()
+        copy.sum().backward()
+    assert w.grad is not None
+    assert w.grad.tolist() == [2.0, 2.0, 2.0]
+    assert guard.report.total == 2  # the two .cpu(), nothing for reading the copy
+
+
+def test_a_device_tensor_copied_to_the_host_is_read_without_another_sync() -> None:
+    from perfsdk.testing import FakeCudaTensor
+
+    dev = FakeCudaTensor(torch.arange(4.0))
+    with no_sync_guard("count", assume_device=True) as guard:
+        by_cpu = dev.cpu()  # <- sync:a
+        by_to = dev.to("cpu")  # <- sync:b
+        values = by_cpu.tolist() + by_to.tolist()
+        by_to.sum().item()
+    assert values == [0.0, 1.0, 2.0, 3.0] * 2
+    assert [(s.line, s.op) for s in sorted(guard.report.sites, key=lambda s: s.line)] == [
+        (line_of("a"), "to_host"), (line_of("b"), "to_host")]
+
+
+# -- perfsdk's own helpers: the site is the user's line -----------------------------------------
+def _train_step() -> perfsdk.optimize.TrainStep:
+    import perfsdk.optimize
+
+    model = torch.nn.Linear(4, 1)
+    step = perfsdk.optimize.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      torch.nn.functional.mse_loss)
+    for _ in range(2):
+        step(torch.ones(2, 4), target=torch.zeros(2, 1))
+    return step
+
+
+def test_a_sync_inside_a_perfsdk_helper_is_reported_at_the_users_line() -> None:
+    step = _train_step()
+    with no_sync_guard("count", assume_device=True) as guard:
+        history = step.loss_history()  # <- sync
+    assert len(history) == 2
+    [site] = guard.report.sites  # one transfer: .cpu(), then .tolist() of the host copy
+    assert (site.file, site.line, site.op, site.count) == (HERE, line_of(), "to_host", 1)
+    assert site.code == "history = step.loss_history()  # <- sync"
+    perfsdk_dir = os.path.dirname(perfsdk.__file__) + os.sep
+    assert site.via.startswith(perfsdk_dir + os.path.join("optimize", "train_step.py") + ":")
+    assert not any(s.file.startswith(perfsdk_dir) for s in perfsdk.sync.sites())
+    assert f"{short(HERE)}:{line_of()}" in str(guard.report)
+    assert "(in perfsdk at perfsdk/optimize/train_step.py:" in str(guard.report)
+
+
+def test_a_perfsdk_helper_raises_and_warns_at_the_users_line() -> None:
+    step = _train_step()
+    with pytest.raises(SyncError) as info, no_sync_guard("error", assume_device=True):
+        step.loss_history()  # <- sync:a
+    assert (info.value.file, info.value.line) == (HERE, line_of("a"))
+    assert "in perfsdk at perfsdk/optimize/train_step.py:" in str(info.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with no_sync_guard("warn", assume_device=True):
+            step.loss_history()  # <- sync:b
+    [warning] = [w for w in caught if issubclass(w.category, SyncWarning)]
+    assert (warning.filename, warning.lineno) == (HERE, line_of("b"))
