@@ -394,7 +394,7 @@ def test_inputs_is_the_name_and_example_inputs_still_works() -> None:
     for kwargs in ({"inputs": x}, {"example_inputs": x}):
         _, report = optimize(TinyCNN(), compile={"backend": "eager"}, **kwargs, **FAST)
         assert report.chosen == "compile[eager]"
-    with pytest.raises(ValueError, match="inputs= .*not both"):
+    with pytest.raises(ValueError, match=r"inputs= .*not both"):
         optimize(TinyCNN(), x, example_inputs=x, **FAST)
     with pytest.raises(ValueError, match="inputs is required"):
         optimize(TinyCNN(), compile=True, **FAST)
