@@ -66,7 +66,7 @@ from perfsdk.optimize.probe import PRUNE_BELOW, autocast_speedup
 from perfsdk.optimize.report import OptimizationReport, StepResult
 
 __all__ = ["AMP_GRAD_RTOL", "AMP_RTOL", "BASELINE", "DEFAULT_BUDGET_S", "FINAL_CALLS",
-           "FP32_GRAD_RTOL", "FP32_RTOL", "MIN_GAIN", "NEAR", "optimize"]
+           "FP32_GRAD_RTOL", "FP32_RTOL", "MIN_FINAL_CALLS", "MIN_GAIN", "NEAR", "optimize"]
 
 _now = time.perf_counter  # the host clock for the budget and setup times (tests swap it)
 
@@ -75,6 +75,9 @@ DEFAULT_BUDGET_S = 120.0
 FINAL_CALLS = 20
 """With ``min_time``, the final comparison times every variant for at least this many eager
 calls: it decides, so a 0.5 s step still gets enough calls for a median."""
+MIN_FINAL_CALLS = 5
+"""The fewest timed calls a variant gets in the final comparison when the budget is tight: a
+candidate is started only if that comparison, with it included, still fits."""
 _WARMUP = 2
 
 
@@ -286,22 +289,24 @@ class _Search:
                                 name=BASELINE)
         return first.median_ms / 1e3
 
-    def variant_s(self) -> float:
-        """Seconds one variant takes in the final comparison (warm-up included)."""
-        timed = (self.calls * self.eager_s if self.calls is not None
-                 else float(self.timing["min_time"]))
-        return timed + _WARMUP * self.eager_s
+    def variant_s(self, calls: int | None = None) -> float:
+        """Seconds one variant takes in the final comparison (warm-up included), at eager's
+        speed: with ``calls`` timed calls, or as many as the timing asks for."""
+        if calls is None and self.calls is None:
+            return float(self.timing["min_time"]) + _WARMUP * self.eager_s
+        return ((calls if calls is not None else self.calls or 0) + _WARMUP) * self.eager_s
 
     def no_room(self, cand: Candidate, left: float) -> str | None:
         """Why ``cand`` is not started with ``left`` seconds of budget, or None to start it.
-        It must leave room for the final comparison with it included, and a compiled one for
-        its compilation as long as the longest seen so far (none seen: it is tried) and for
-        compiling the winner again at the end."""
+        It must leave room for its setup (a compiled one: as long as the longest compilation
+        seen so far, and half that again for compiling the winner at the end, which inductor's
+        graph cache makes short; none seen yet: it is tried) and for the shortest final
+        comparison with it included (:data:`MIN_FINAL_CALLS` calls a variant)."""
         if left <= 0:
             return "budget"
         compiles = any(t == "compile" for t, _ in cand)
-        setup = 3 * self.eager_s + (2 * self.compile_s if compiles and self.compile_s else 0.0)
-        final = (len(self.kept) + 2) * self.variant_s()
+        setup = 3 * self.eager_s + (1.5 * self.compile_s if compiles and self.compile_s else 0.0)
+        final = (len(self.kept) + 2) * self.variant_s(MIN_FINAL_CALLS)
         if setup + final > left:
             if compiles and self.compile_s:
                 return (f"budget: compiling took {self.compile_s:.0f} s, {left:.0f} s left "
@@ -349,11 +354,11 @@ class _Search:
                **{name: self.work.fn(model) for name, model in self.kept.items()}}
         timing = dict(self.timing)
         if math.isfinite(left) and self.variant_s() * len(fns) > left:
-            # minus one call per variant (bench checks its clock between calls) and the call
-            # that applies the winner at the end
-            share = (left - (len(fns) + 1) * self.eager_s) / len(fns) - _WARMUP * self.eager_s
-            timing.pop("iters", None)
-            timing["min_time"] = max(share, 1e-3)  # bench still times 3 calls at least
+            # a fixed number of calls that fits what is left (min_time could overrun by a call
+            # per round and variant), keeping one call for applying the winner at the end
+            fit = int((left - self.eager_s) / len(fns) / max(self.eager_s, 1e-9)) - _WARMUP
+            timing.pop("min_time", None)
+            timing["iters"] = max(3, fit)
         final = bench.compare(fns, *self.work.args, baseline=BASELINE, **timing)
         self.kept.clear()
         self.comparisons = {name: final for name in fns}

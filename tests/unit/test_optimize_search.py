@@ -459,7 +459,7 @@ def test_the_final_comparison_shrinks_to_the_budget_left(fakes, monkeypatch) -> 
     _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, compile=False,
                          budget_s=19.0, min_time=0.01, progress=False)
     (kwargs,) = seen
-    assert kwargs["min_time"] < search.FINAL_CALLS * 0.02  # shortened to what was left
+    assert 3 <= kwargs["iters"] < search.FINAL_CALLS  # shortened to what was left
     assert report.search_s <= 19.0
 
 
