@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds of timed calls per variant (default 4; quick 0.05)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 5; quick 2)")
     p.add_argument("--warmup", type=int, help="untimed calls per variant (default 2; quick 1)")
-    p.add_argument("--budget", type=float, help="optimize's budget_s (default 120, optimize's own; quick 60)")
+    p.add_argument("--budget", type=float,
+                   help="optimize's budget_s (default 120, optimize's own; quick 60)")
     p.add_argument("--backend", help="torch.compile backend (default inductor; quick eager)")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep inductor's usual cache directory (default: a fresh one)")
