@@ -195,9 +195,14 @@ def optimize(model: nn.Module, inputs: Any = None, *, mode: str = "inference",
     deadline = math.inf if budget_s is None else started + budget_s
     rows: dict[str, StepResult] = {}
     unchanged: list[str] = []
+    # Under a budget, compiled candidates are tried fullest first: when only one compilation
+    # fits, it is the one that usually wins (compile + channels_last + amp + freezing). The
+    # table keeps the candidates' order.
+    compiled = [c for c in candidates if any(t == "compile" for t, _ in c)]
+    tried = [c for c in candidates if c not in compiled] + compiled[::-1] if auto else candidates
     with Progress(len(candidates) + bool(auto), label="optimize",
                   force=None if progress else False) as bar:
-        for cand in candidates:
+        for cand in tried:
             label = candidate_name(cand, work.device_type)
             bar.start(label)
             if auto:
@@ -212,6 +217,9 @@ def optimize(model: nn.Module, inputs: Any = None, *, mode: str = "inference",
             rows = search.confirm(rows, deadline - _now())
             bar.advance()
         drawn = bar.enabled
+    if auto:
+        rows = {name: rows[name] for name in
+                (candidate_name(c, work.device_type) for c in candidates)}
     rows.update({name: _row(name, False, why) for name, why in pruned.items()})
     if auto:
         chosen = choose(rows, candidates, work.device_type)
