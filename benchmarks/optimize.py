@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds of timed calls per variant (default 4; quick 0.05)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 5; quick 2)")
     p.add_argument("--warmup", type=int, help="untimed calls per variant (default 2; quick 1)")
-    p.add_argument("--budget", type=float, help="optimize's budget_s (default 900; quick 60)")
+    p.add_argument("--budget", type=float,
+                   help="optimize's budget_s (default 120, optimize's own; quick 60)")
     p.add_argument("--backend", help="torch.compile backend (default inductor; quick eager)")
     p.add_argument("--warm-cache", action="store_true",
                    help="keep inductor's usual cache directory (default: a fresh one)")
@@ -107,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     quick = args.quick
     for name, full, small in (("min_time", 4.0, 0.05), ("rounds", 5, 2), ("warmup", 2, 1),
-                              ("budget", 900.0, 60.0), ("backend", "inductor", "eager")):
+                              ("budget", 120.0, 60.0), ("backend", "inductor", "eager")):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     if args.min_time <= 0 or args.rounds < 1 or args.warmup < 0 or args.budget <= 0:

@@ -1,5 +1,5 @@
 """What ``optimize()`` runs and checks: one inference call or one training step (forward, loss,
-backward) of a model on the example inputs, and a seeded probe of its outputs and gradients."""
+backward) of a model on its inputs, and a seeded probe of its outputs and gradients."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MODES = ("inference", "train")
 
 
 class Work:
-    def __init__(self, mode: str, example_inputs: Any, loss_fn: Any, target: Any,
+    def __init__(self, mode: str, inputs: Any, loss_fn: Any, target: Any,
                  model: nn.Module) -> None:
         if mode not in MODES:
             raise ValueError(f"optimize: mode={mode!r}; accepted values are 'inference', 'train'")
@@ -28,11 +28,11 @@ class Work:
             raise ValueError(f"optimize: mode='train' needs loss_fn, a callable "
                              f"loss_fn(output, target) -> scalar tensor; got {loss_fn!r}")
         self.mode, self.loss_fn, self.target = mode, loss_fn, target
-        self.inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        self.inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         tensors = [t for t in tree_leaves(self.inputs) if isinstance(t, torch.Tensor)]
         if not tensors:
-            raise ValueError("optimize: example_inputs must be a tensor or a tuple holding "
-                             f"tensors; got {type(example_inputs).__name__}")
+            raise ValueError("optimize: inputs must be a tensor or a tuple holding tensors; "
+                             f"got {type(inputs).__name__}")
         first = tensors[0]
         self.batch_size = int(first.shape[0]) if first.dim() and first.shape[0] else None
         params = [p.device for p in model.parameters()]

@@ -33,6 +33,8 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -49,18 +51,39 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 """Accepted values of ``mode=`` (those of :func:`torch.compile`)."""
 
 
-def _entry(call: Callable[..., Any]) -> Callable[..., Any]:
-    """A frame of our own around the module's call for dynamo to start from.
+_entries = itertools.count(1)
+
+
+def _entry(call: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """A frame of our own around the module's call for dynamo to start from, with a code object
+    of its own for each compiled model.
 
     ``nn.Module.compile()`` compiles ``module._call_impl`` itself, whose frame (in ``torch.nn``)
     dynamo skips: it then compiles only the frames called from there that are not torch's own,
     so a ``torch.nn`` module (``Linear``, ``Sequential``, ...) is not compiled at all, and forward
     hooks become graphs of their own. Starting from this frame, dynamo traces the whole call,
-    hooks included, as ``torch.compile(module)`` does (its ``wrap_inline``)."""
+    hooks included, as ``torch.compile(module)`` does (its ``wrap_inline``).
+
+    Why one code object per model: dynamo keeps its compiled graphs, its recompile count and its
+    "automatic dynamic" record of the sizes it has seen per code object (``pgo.CodeId``: file,
+    line, name). With one shared ``compiled_call`` every model compiled by perfsdk in a process
+    shared them: after a model with other input shapes (an earlier ``optimize()``, a docs
+    example, the demo), the next model's first compilation was already *dynamic* (symbolic
+    sizes; slower inductor kernels: the issue's 333 ms returned model against 230 ms for
+    ``torch.compile(model)``), and past ``recompile_limit`` (8) graphs on that code, later models
+    silently ran eagerly. A fresh code object, named after the model, gives each model its own
+    cache, limit and size record, as ``torch.compile(model)`` does with the model's own
+    ``forward``."""
 
     def compiled_call(*args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
 
+    name = f"perfsdk_compiled_{label}_{next(_entries)}"
+    code = compiled_call.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):
+        code = code.replace(co_qualname=name)
+    compiled_call.__code__ = code
+    compiled_call.__name__ = compiled_call.__qualname__ = name
     return compiled_call
 
 
@@ -181,7 +204,7 @@ def apply_compile(model: nn.Module, *, mode: str | None = None,
                              "accepted: one of mode= or **options for other backends")
     eager = model._call_impl
     try:
-        compiled = torch.compile(_entry(eager), mode=compile_mode, backend=backend,
+        compiled = torch.compile(_entry(eager, label), mode=compile_mode, backend=backend,
                                  fullgraph=fullgraph, dynamic=dynamic,
                                  options=compile_options or None)
     except RuntimeError as exc:  # torch checks options (names, types) here, not lazily

@@ -4,14 +4,19 @@ Every combination of ``num_workers``, ``pin_memory``, ``persistent_workers`` and
 ``prefetch_factor`` that DataLoader accepts is built, warmed up for two batches (worker start-up
 is not counted), then timed over ``batches`` batches, including ``consume(batch)`` when given, so
 the measure can be "load and copy to the GPU" rather than "load". Workers are shut down after each
-trial. The result holds the table and the best settings as ``DataLoader`` keyword arguments.
+trial. Each setting is measured ``repeats`` times, the rounds interleaved so drift hits all
+alike; a row gives the median and the spread of its repeats. A setting is kept over a simpler
+one only when its median is faster by more than the measured noise (the larger spread of the two,
+at least 3%). The result holds the table and the best settings as ``DataLoader`` keyword
+arguments.
 
 Example:
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> from perfsdk.optimize.dataloader import tune_dataloader
     >>> data = TensorDataset(torch.randn(64, 3))
-    >>> tuning = tune_dataloader(data, 8, num_workers=(0,), batches=4, progress=False)
+    >>> tuning = tune_dataloader(data, 8, num_workers=(0,), batches=4, repeats=2,
+    ...                          progress=False)
     >>> loader = DataLoader(data, batch_size=8, **tuning.best)
     >>> tuning.best["num_workers"], len(tuning.rows)
     (0, 1)
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -36,7 +42,7 @@ from perfsdk.errors import PerfSDKError
 __all__ = ["DataLoaderTuning", "tune_dataloader"]
 
 WARMUP = 2
-_TIE = 0.03  # within 3% of the fastest, the simpler setting (earlier in the table) wins
+_TIE = 0.03  # the least noise: within 3% of the fastest, the simpler setting (earlier) wins
 _now = time.perf_counter  # the host clock of the trials (tests swap it)
 _KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
 
@@ -50,7 +56,9 @@ class DataLoaderTuning:
             settings plus the extra ``loader_kwargs`` given to ``tune_dataloader``).
         rows: one dict per tried setting, in the order tried: the four settings
             (``prefetch_factor`` None without workers), ``batches_per_s``, ``samples_per_s``,
-            ``startup_s`` (from ``iter()`` to the end of warm-up) and ``error`` (None, or why
+            ``startup_s`` (from ``iter()`` to the end of warm-up) and ``seconds`` (medians of
+            the repeats), ``spread`` (``(max - min) / median`` of the repeats' samples/s),
+            ``samples_per_s_repeats`` (each repeat's samples/s) and ``error`` (None, or why
             the trial failed).
         notes: what was not tried, and why.
         batch_size: the batch size used.
@@ -67,7 +75,7 @@ class DataLoaderTuning:
         if not best["num_workers"]:
             best["persistent_workers"] = False
         header = ("", "workers", "pin_memory", "persistent", "prefetch", "batches/s",
-                  "samples/s", "startup_s", "vs best")
+                  "samples/s", "spread", "startup_s", "vs best")
         lines: list[tuple[str, ...]] = [header]
         top = max((r["samples_per_s"] for r in self.rows if r["error"] is None), default=0.0)
         for r in self.rows:
@@ -75,9 +83,9 @@ class DataLoaderTuning:
             if r["error"] is None:
                 rel = f"{r['samples_per_s'] / top:.2f}x of best" if top else ""
                 cells = (f"{r['batches_per_s']:.1f}", f"{r['samples_per_s']:.1f}",
-                         f"{r['startup_s']:.3f}", rel)
+                         f"{r['spread']:.1%}", f"{r['startup_s']:.3f}", rel)
             else:
-                cells = ("-", "-", "-", f"failed: {r['error']}")
+                cells = ("-", "-", "-", "-", f"failed: {r['error']}")
             lines.append(("*" if chosen else "", str(r["num_workers"]), str(r["pin_memory"]),
                           str(r["persistent_workers"]),
                           "-" if r["prefetch_factor"] is None else str(r["prefetch_factor"]),
@@ -225,7 +233,7 @@ def _trial(dataset: Any, batch_size: int, kwargs: dict[str, Any], batches: int,
 
 def tune_dataloader(dataset: Any, batch_size: int, *, num_workers: Any = (0, 2, 4),
                     pin_memory: Any = (False, True), persistent_workers: Any = (False, True),
-                    prefetch_factor: Any = (2, 4), batches: int = 20,
+                    prefetch_factor: Any = (2, 4), batches: int = 20, repeats: int = 3,
                     consume: Callable[[Any], Any] | None = None, progress: bool = True,
                     **loader_kwargs: Any) -> DataLoaderTuning:
     """Try DataLoader settings on ``dataset`` and return the fastest with the measured table.
@@ -236,10 +244,14 @@ def tune_dataloader(dataset: Any, batch_size: int, *, num_workers: Any = (0, 2, 
         num_workers: worker counts to try (a value or a sequence).
         pin_memory: values to try; True is tried only where an accelerator is available
             (pinning only speeds host-to-device copies), which the notes say.
-        persistent_workers: values to try (with workers only). It pays off across epochs:
-            a trial that spans one epoch cannot show it; the notes say when that happened.
+        persistent_workers: values to try (with workers only). It pays off across epochs
+            only: when a trial stays within one epoch, True is not tried (it cannot help
+            there), and the notes say so.
         prefetch_factor: batches each worker loads ahead (with workers only).
         batches: batches timed per setting, after two warm-up batches.
+        repeats: measurements of each setting (rounds over all settings, interleaved); the
+            median decides, and a setting must beat a simpler one by more than the spread of
+            the repeats (at least 3%) to be kept.
         consume: called on each batch inside the timing (e.g. the copy to the GPU); make it
             wait for its own device work if that is to count.
         progress: show a progress bar on stderr when stderr is a terminal.
@@ -256,6 +268,7 @@ def tune_dataloader(dataset: Any, batch_size: int, *, num_workers: Any = (0, 2, 
     """
     batch_size = _count("batch_size", batch_size)
     batches = _count("batches", batches)
+    repeats = _count("repeats", repeats)
     workers = _choices("num_workers", num_workers, int, 0)
     pins = _choices("pin_memory", pin_memory, bool)
     persistent = _choices("persistent_workers", persistent_workers, bool)
@@ -285,36 +298,73 @@ def tune_dataloader(dataset: Any, batch_size: int, *, num_workers: Any = (0, 2, 
         raise ValueError("tune_dataloader: the dataset yields no batches (empty dataset, or "
                          "drop_last=True with fewer samples than batch_size)")
     if True in persistent and any(workers) and epoch is not None and epoch >= batches + WARMUP:
-        notes.append(f"each trial stayed within one epoch ({epoch} batches), where "
-                     f"persistent_workers cannot help; use batches > {epoch} to measure it")
+        if False in persistent:
+            persistent = (False,)
+            notes.append(f"persistent_workers=True not tried: each trial stays within one "
+                         f"epoch ({epoch} batches), where it cannot help; use batches > "
+                         f"{epoch - WARMUP} to measure it")
+        else:
+            notes.append(f"each trial stayed within one epoch ({epoch} batches), where "
+                         f"persistent_workers cannot help; use batches > {epoch - WARMUP} to "
+                         "measure it")
 
     combos = _combos(workers, pins, persistent, prefetch)
-    rows: list[dict[str, Any]] = []
+    measured: list[list[dict[str, float]]] = [[] for _ in combos]
+    errors: list[str | None] = [None] * len(combos)
     first_error: BaseException | None = None
-    with Progress(len(combos), label="tune_dataloader", force=None if progress else False) as bar:
-        for combo in combos:
-            bar.start(" ".join(f"{k}={v}" for k, v in combo.items() if v is not None))
-            row: dict[str, Any] = {**combo, "batches_per_s": 0.0, "samples_per_s": 0.0,
-                                   "startup_s": 0.0, "seconds": 0.0, "error": None}
-            try:
-                with warnings.catch_warnings():  # trying many workers is the point here
-                    warnings.filterwarnings("ignore", message="This DataLoader will create")
-                    row.update(_trial(dataset, batch_size, {**loader_kwargs,
-                                                            **_loader_kwargs(combo)},
-                                      batches, consume))
-            except Exception as exc:  # a failing setting is a result, not the end
-                first_error = first_error or exc
-                row["error"] = f"{type(exc).__name__}: {exc}"
-            rows.append(row)
-            bar.advance()
+    with Progress(len(combos) * repeats, label="tune_dataloader",
+                  force=None if progress else False) as bar:
+        for _round in range(repeats):  # interleaved: drift hits every setting alike
+            for i, combo in enumerate(combos):
+                bar.start(" ".join(f"{k}={v}" for k, v in combo.items() if v is not None))
+                if errors[i] is None:
+                    try:
+                        with warnings.catch_warnings():  # trying many workers is the point
+                            warnings.filterwarnings("ignore", message="This DataLoader will")
+                            measured[i].append(_trial(
+                                dataset, batch_size,
+                                {**loader_kwargs, **_loader_kwargs(combo)}, batches, consume))
+                    except Exception as exc:  # a failing setting is a result, not the end
+                        first_error = first_error or exc
+                        errors[i] = f"{type(exc).__name__}: {exc}"
+                bar.advance()
+    rows = [_row(combo, runs, error)
+            for combo, runs, error in zip(combos, measured, errors, strict=True)]
     ok = [r for r in rows if r["error"] is None]
     if not ok:
         raise PerfSDKError(f"tune_dataloader: every setting failed; first: "
                            f"{rows[0]['error']}") from first_error
-    top = max(r["samples_per_s"] for r in ok)
-    chosen = next(r for r in ok if r["samples_per_s"] >= top * (1 - _TIE))
+    chosen = _choose(ok)
     best = {**loader_kwargs, **_loader_kwargs(chosen)}
     return DataLoaderTuning(best=best, rows=rows, notes=tuple(notes), batch_size=batch_size)
+
+
+def _row(combo: dict[str, Any], runs: list[dict[str, float]], error: str | None
+         ) -> dict[str, Any]:
+    """A table row: the medians of the repeats, and their spread."""
+    row: dict[str, Any] = {**combo, "batches_per_s": 0.0, "samples_per_s": 0.0,
+                           "startup_s": 0.0, "seconds": 0.0, "spread": 0.0,
+                           "samples_per_s_repeats": [r["samples_per_s"] for r in runs],
+                           "error": error}
+    if error is None and runs:
+        for key in ("batches_per_s", "samples_per_s", "startup_s", "seconds"):
+            row[key] = statistics.median(r[key] for r in runs)
+        rates = row["samples_per_s_repeats"]
+        median = row["samples_per_s"]
+        row["spread"] = (max(rates) - min(rates)) / median if median > 0 else 0.0
+    return row
+
+
+def _choose(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The simplest row (earliest) that the fastest does not beat by more than the noise: the
+    larger ``spread`` of the two, and at least 3%. A setting is kept only when its difference
+    exceeds what its repeats varied by."""
+    top = max(rows, key=lambda r: r["samples_per_s"])
+    for row in rows:
+        noise = max(_TIE, row["spread"], top["spread"])
+        if top["samples_per_s"] <= row["samples_per_s"] * (1 + noise):
+            return row
+    return top  # pragma: no cover - top itself always qualifies
 
 
 def _cpu_count() -> int:

@@ -64,6 +64,9 @@ class OptimizationReport:
         chosen: The name of the row the returned model corresponds to.
         budget_s: The search's time budget in seconds, or None for no budget.
         search_s: Wall-clock seconds the whole call took (building, checking, timing).
+        unchanged: Transforms asked for that could not act on this model or device, each as
+            ``"transform: why"`` (e.g. ``"channels_last: no Conv2d"``): "no change", never
+            chosen.
     """
 
     mode: str
@@ -71,6 +74,7 @@ class OptimizationReport:
     chosen: str
     budget_s: float | None
     search_s: float
+    unchanged: tuple[str, ...] = ()
 
     @property
     def best(self) -> StepResult:
@@ -86,11 +90,16 @@ class OptimizationReport:
         return self.best.speedup or 1.0
 
     def headline(self) -> str:
-        """One sentence: what was chosen, how much faster, and what the search cost."""
+        """One sentence: what was chosen (or "no change", and why), how much faster, and what
+        the search cost."""
         budget = "" if self.budget_s is None else f" (budget {self.budget_s:g} s)"
+        cost = f"search took {self.search_s:.1f} s{budget}"
+        if not self.steps or self.chosen == self.steps[0].name:  # the baseline was kept
+            why = "; ".join(self.unchanged) or "no candidate beat eager fp32"
+            return f"optimize ({self.mode}): no change ({why}); {cost}"
         speedup = f"{self.speedup:.2f}x the speed of eager fp32"
-        return (f"optimize ({self.mode}): chose {self.chosen}, {speedup}; "
-                f"search took {self.search_s:.1f} s{budget}")
+        extra = "".join(f"; no change from {note}" for note in self.unchanged)
+        return f"optimize ({self.mode}): chose {self.chosen}, {speedup}{extra}; {cost}"
 
     def table(self) -> str:
         """An aligned text table, one row per step; ``*`` marks the chosen row."""

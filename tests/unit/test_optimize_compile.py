@@ -190,3 +190,42 @@ def test_freezing_warns_for_calls_with_gradients_on():
         model(torch.ones(1, 8))
     with torch.no_grad():
         model(torch.ones(1, 8))
+
+
+class ShapeRecorder:
+    """A backend that runs the traced graph and records, per graph, whether any input has a
+    symbolic (dynamic) size."""
+
+    def __init__(self) -> None:
+        self.dynamic: list[bool] = []
+
+    def __call__(self, gm, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.dynamic.append(any(not isinstance(s, int) for v in values
+                                if isinstance(v, torch.Tensor) for s in v.shape))
+        return gm.forward
+
+
+def test_each_model_compiles_on_its_own_code_and_stays_static() -> None:
+    """The cause of the issue's slow returned model: one shared entry frame made a model's first
+    compilation dynamic after another model with other shapes, and past recompile_limit models
+    ran eagerly. Each compiled model now has its own code object."""
+    recorder = ShapeRecorder()
+    other = apply_compile(nn.Linear(5, 3), backend=recorder)
+    with torch.no_grad():
+        other(torch.randn(7, 5))
+        other(torch.randn(2, 5))  # a second shape: only *this* model goes dynamic
+    assert recorder.dynamic == [False, True]
+    limit = torch._dynamo.config.recompile_limit
+    models = [apply_compile(Tiny().eval(), backend=recorder) for _ in range(limit + 2)]
+    x = torch.randn(4, 8)
+    for model in models:
+        with torch.no_grad():
+            assert torch.allclose(model(x), model._compiled_call_impl.eager(x))
+        assert fallbacks(model) == {}
+    # every Tiny compiled once, static, none fell back to eager past the recompile limit
+    assert recorder.dynamic[2:] == [False] * len(models)
+    names = {m._compiled_call_impl.compiled._torchdynamo_orig_callable.__code__.co_name
+             for m in models}
+    assert len(names) == len(models)
+    assert all(name.startswith("perfsdk_compiled_Tiny_") for name in names)

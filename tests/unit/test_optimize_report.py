@@ -74,6 +74,8 @@ def test_best_speedup_and_headline(report: OptimizationReport) -> None:
                                                       1.0, applied=True),), BASE, None, 2.0)
     assert baseline_only.speedup == 1.0
     assert "budget" not in baseline_only.headline()
+    assert baseline_only.headline().startswith(
+        "optimize (train): no change (no candidate beat eager fp32); search took 2.0 s")
     with pytest.raises(LookupError):
         _ = OptimizationReport("train", (), "missing", None, 0.0).best
 

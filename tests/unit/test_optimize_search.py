@@ -39,6 +39,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     monkeypatch.setattr(CLOCK, "ns", 0)
     monkeypatch.setattr(bench, "_now_ns", CLOCK)
     monkeypatch.setattr(search, "_now", lambda: CLOCK() / 1e9)
+    monkeypatch.setattr(search, "autocast_speedup", lambda dtype, device="cpu": 1.0)  # pays
     return CLOCK
 
 
@@ -114,7 +115,7 @@ def test_explicit_flags_apply_exactly_what_is_asked() -> None:
     with torch.no_grad():
         assert torch.allclose(model(x), expected, rtol=1e-5, atol=1e-6)
     assert report.mode == "inference"
-    assert report.budget_s is None
+    assert report.budget_s == search.DEFAULT_BUDGET_S == 120
     assert report.search_s > 0
 
 
@@ -181,52 +182,33 @@ def test_auto_rejects_wrong_and_slower_candidates(fakes, monkeypatch) -> None:
     assert report.speedup == 2.0
     assert (by[BASELINE].median_ms, by["channels_last"].median_ms) == (20.0, 10.0)
     assert model.delay == 10.0  # channels_last applied to the caller's model
-    # timed: each candidate that passed against eager, then the kept ones together with eager
-    assert calls == [[BASELINE, "channels_last"], [BASELINE, "compile"],
-                     [BASELINE, "channels_last"]]
+    # timed: every candidate that passed, together with eager, in one comparison
+    assert calls == [[BASELINE, "channels_last", "compile"]]
     assert model.corrupt == 0.0
 
 
-def test_the_final_comparison_decides(monkeypatch, clock) -> None:
-    """"compile" looks 4x faster in its own comparison (noise, say) and is not: the final
-    comparison, all kept candidates with eager, shows it and decides."""
-    final: list[bool] = []
-    compare = bench.compare
-
-    def spy(fns: Any, *args: Any, **kwargs: Any) -> bench.Comparison:
-        final.append(len(fns) > 2)
-        return compare(fns, *args, **kwargs)
-
-    class Lucky(Sleepy):
-        lucky = False
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            CLOCK.advance(self.delay / 4 if self.lucky and not any(final) else self.delay)
-            return self.conv(x)  # type: ignore[no-any-return]
-
-    def lucky(model: Lucky, **options: Any) -> Lucky:
-        model.lucky = True
-        return model
-
-    monkeypatch.setattr(search.bench, "compare", spy)
+def test_every_timed_row_shares_one_baseline(monkeypatch, clock) -> None:
+    """One interleaved comparison times eager and every candidate that passed: each row's
+    speedup is that comparison's eager median over the row's median, so rows cannot drift."""
+    calls = spy_compare(monkeypatch)
     monkeypatch.setattr(search, "apply_amp", fake(2.0))
-    monkeypatch.setattr(search, "apply_compile", lucky)
-    _, report = optimize(Lucky(), torch.randn(2, 2, 4, 4), auto=True, channels_last=False,
-                         **SLEEPY)
+    monkeypatch.setattr(search, "apply_compile", fake(0.8))
+    _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, **SLEEPY)
     by = rows(report)
-    assert final == [False, False, False, False, True]  # 4 candidates, then the final one
-    assert by["compile"].speedup == 1.0  # the final comparison's number, not the lucky 4x
-    assert not by["compile"].applied
-    amp = "amp(bf16 weights)"
-    assert by[f"compile + {amp}"].speedup == 2.0  # as fast as amp alone, once luck is gone...
-    assert report.chosen == amp  # ... so the one with fewer transforms
-    assert report.speedup == 2.0
+    timed = [name for name, row in by.items() if row.median_ms is not None]
+    (timed_together,) = calls  # one comparison: eager first, then every candidate that passed
+    assert timed_together[0] == BASELINE
+    assert sorted(timed_together) == sorted(timed)
+    base = by[BASELINE].median_ms
+    for name in timed:
+        assert by[name].speedup == pytest.approx(base / by[name].median_ms)
+    assert report.chosen == "amp(bf16 weights)"  # 2x (real channels-last: no change in delay)
+    assert by["compile"].speedup == pytest.approx(0.8)
 
 
 def test_slow_steps_get_enough_calls_for_a_median(monkeypatch, clock) -> None:
-    """min_time=0.01 s would time a 20 ms step once per round; each comparison times at least
-    SCREEN_CALLS eager calls instead, and the deciding one at least FINAL_CALLS and twice as
-    long as a screening one."""
+    """min_time=0.01 s would time a 20 ms step once per round; the comparison times at least
+    FINAL_CALLS eager calls instead."""
     seen: list[tuple[list[str], float, int]] = []
     compare = bench.compare
 
@@ -240,13 +222,10 @@ def test_slow_steps_get_enough_calls_for_a_median(monkeypatch, clock) -> None:
     model = Sleepy()  # 20 ms a call, so a calibrated min_time is at least calls x 20 ms
     _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, channels_last=False,
                          compile=False, min_time=0.01, progress=False)
-    (screen_fns, screen_time, screen_calls), (final_fns, final_time, final_calls) = seen
-    assert screen_fns == final_fns == [BASELINE, "amp(bf16 weights)"]
-    assert screen_time >= search.SCREEN_CALLS * 0.02
-    assert final_time >= max(2 * screen_time, search.FINAL_CALLS * 0.02)
-    assert screen_calls >= search.SCREEN_CALLS
-    assert final_calls >= search.FINAL_CALLS
-    assert final_calls > screen_calls
+    ((fns, min_time, calls),) = seen
+    assert fns == [BASELINE, "amp(bf16 weights)"]
+    assert min_time >= search.FINAL_CALLS * 0.02
+    assert calls >= search.FINAL_CALLS
     assert report.chosen == "amp(bf16 weights)"
 
 
@@ -409,3 +388,156 @@ def test_inductor_with_freezing_explicitly() -> None:
     assert report.best.max_error <= FP32_RTOL
     assert report.best.setup_s > 0
     assert not model.training
+
+
+# -- issue 14: inputs=, pruning, budget, "no change", the returned model -------------------------
+def test_inputs_is_the_name_and_example_inputs_still_works() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    for kwargs in ({"inputs": x}, {"example_inputs": x}):
+        _, report = optimize(TinyCNN(), compile={"backend": "eager"}, **kwargs, **FAST)
+        assert report.chosen == "compile[eager]"
+    with pytest.raises(ValueError, match=r"inputs= .*not both"):
+        optimize(TinyCNN(), x, example_inputs=x, **FAST)
+    with pytest.raises(ValueError, match="inputs is required"):
+        optimize(TinyCNN(), compile=True, **FAST)
+
+
+def test_autocast_the_probe_measured_slow_is_pruned(fakes, monkeypatch) -> None:
+    """The probe (measured once) says bf16 runs at 0.3x fp32 here: no amp candidate is built,
+    each is reported with the ratio, and the combinations are tried without autocast."""
+    probed: list[Any] = []
+
+    def slow(dtype: torch.dtype, device: str = "cpu") -> float:
+        probed.append((dtype, device))
+        return 0.3
+
+    monkeypatch.setattr(search, "autocast_speedup", slow)
+    applied: list[str] = []
+    monkeypatch.setattr(search, "apply_amp", lambda m, **o: applied.append("amp") or m)
+    model = Sleepy()
+    _, report = optimize(model, torch.randn(2, 2, 4, 4), auto=True, **SLEEPY)
+    by = rows(report)
+    assert probed == [(torch.bfloat16, "cpu")]
+    assert applied == []
+    amp = "amp(bf16 weights)"
+    for name in (amp, f"channels_last + {amp}", f"compile + {amp}",
+                 f"compile + channels_last + {amp} + freezing"):
+        assert by[name].reason == ("pruned: autocast bf16 ran at 0.30x fp32 in the probe on "
+                                   "this cpu (< 0.8x)"), by[name]
+        assert by[name].speedup is None
+    assert by["compile + channels_last + freezing"].speedup == pytest.approx(1.0)
+    assert report.chosen == "channels_last"
+    assert "pruned" in report.table()
+
+
+def test_compile_is_skipped_when_the_first_compile_says_it_cannot_fit(fakes, monkeypatch) -> None:
+    """Compiled candidates are tried fullest first. The first compile takes 30 s (fake clock);
+    with 60 s of budget, compiling again (and the winner once more at the end) would not fit:
+    the other compiled candidate is skipped, citing the measured time, and the search still
+    ends with the final comparison in budget."""
+    monkeypatch.setattr(search, "apply_compile", fake(1.0, cost_ms=30_000))
+    calls = spy_compare(monkeypatch)
+    _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, amp=False,
+                         budget_s=60, **SLEEPY)
+    by = rows(report)
+    assert by["compile + channels_last + freezing"].setup_s >= 30
+    assert by["compile"].reason.startswith("budget: compiling took 30 s")
+    assert list(by) == [BASELINE, "channels_last", "compile", "compile + channels_last + freezing"]
+    assert calls == [[BASELINE, "channels_last", "compile + channels_last + freezing"]]
+    assert report.chosen == "channels_last"
+    assert report.search_s <= 60
+
+
+def test_the_final_comparison_shrinks_to_the_budget_left(fakes, monkeypatch) -> None:
+    seen: list[dict[str, Any]] = []
+    compare = bench.compare
+
+    def spy(fns: Any, *args: Any, **kwargs: Any) -> bench.Comparison:
+        seen.append(kwargs)
+        return compare(fns, *args, **kwargs)
+
+    monkeypatch.setattr(search.bench, "compare", spy)
+    # each amp candidate costs 9 s to build; 20 ms calls, 20 calls a variant would be 0.4 s
+    monkeypatch.setattr(search, "apply_amp", fake(1.0, cost_ms=9_000))
+    _, report = optimize(Sleepy(), torch.randn(2, 2, 4, 4), auto=True, compile=False,
+                         budget_s=19.0, min_time=0.01, progress=False)
+    (kwargs,) = seen
+    assert 3 <= kwargs["iters"] < search.FINAL_CALLS  # shortened to what was left
+    assert report.search_s <= 19.0
+
+
+def test_a_transform_with_no_effect_is_no_change_never_chosen() -> None:
+    class Dense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)  # type: ignore[no-any-return]
+
+    x = torch.randn(2, 4)
+    for kwargs, why in (({"channels_last": True}, "channels_last: no Conv2d"),
+                        ({"cuda_graphs": True}, "cuda_graphs: ")):
+        with pytest.warns(NoEffectWarning):
+            _, report = optimize(Dense(), x, **kwargs, **FAST)
+        assert report.chosen == BASELINE
+        assert not any(step.applied for step in report.steps[1:])
+        assert report.headline().startswith(f"optimize (inference): no change ({why}")
+        assert "chose" not in report.table()
+    with pytest.warns(NoEffectWarning):
+        _, report = optimize(Dense(), x, channels_last=True, compile={"backend": "eager"},
+                             **FAST)
+    assert report.chosen == "compile[eager]"  # channels_last is not in the name
+    assert report.best.reason.endswith("no change from channels_last: no Conv2d")
+    assert "; no change from channels_last: no Conv2d; search took" in report.headline()
+    assert report.unchanged == ("channels_last: no Conv2d",)
+
+
+def test_without_a_terminal_one_summary_line(capsys) -> None:
+    _, report = optimize(TinyCNN(), torch.randn(2, 3, 8, 8), compile={"backend": "eager"},
+                         iters=3)
+    assert capsys.readouterr().err == report.headline() + "\n"
+
+
+class GraphRecorder:
+    """A compile backend that runs the traced graph and records what it was compiled for."""
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[Any, ...]] = []
+        self.__name__ = "recorder"
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.graphs.append(tuple((tuple(v.shape), v.stride(), v.dtype) for v in values
+                                 if isinstance(v, torch.Tensor)))
+        return gm.forward
+
+
+def test_the_returned_model_is_the_chosen_transforms_applied_to_a_fresh_copy(monkeypatch
+                                                                             ) -> None:
+    """In one process, after other models with other shapes were compiled: the model optimize()
+    returns compiles the same static graph as the chosen transforms applied alone to a fresh
+    copy, once, with no fallback (the issue's slow returned model had a dynamic graph)."""
+    recorder = GraphRecorder()
+    other = search.apply_compile(nn.Linear(3, 3), backend=recorder)
+    with torch.no_grad():
+        other(torch.randn(5, 3))
+        other(torch.randn(6, 3))  # that model went dynamic; the next ones must not
+    chosen = "compile[recorder] + channels_last"
+    monkeypatch.setattr(search, "choose", lambda rows, cands, device: chosen)  # the decision
+    monkeypatch.setattr(search, "autocast_speedup", lambda dtype, device="cpu": 1.0)
+    base, x = TinyCNN(), torch.randn(2, 3, 8, 8)
+    fresh = copy.deepcopy(base).eval()
+    model, report = optimize(base, x, auto=True, amp=False, compile={"backend": recorder},
+                             **FAST)
+    assert report.chosen == chosen
+    returned = recorder.graphs[-1]
+    search.apply_compile(search.apply_channels_last(fresh), backend=recorder)
+    with torch.no_grad():
+        fresh(x)
+        model(x)  # already compiled by optimize(): no new graph
+    assert recorder.graphs[-1] == returned  # same shapes, strides (layout), dtypes
+    assert all(isinstance(size, int) for graph in (returned,) for shape, _, _ in graph
+               for size in shape)  # static
+    assert search.fallbacks(model) == {}
+    assert model._compiled_call_impl.compiled is not fresh._compiled_call_impl.compiled

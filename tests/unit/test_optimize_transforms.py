@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from collections import namedtuple
 from typing import Any
 
@@ -347,6 +348,60 @@ def test_channels_last_twice_warns() -> None:
 def test_channels_last_bad_model() -> None:
     with pytest.raises(ValueError, match="model=str"):
         apply_channels_last("net")  # type: ignore[arg-type]
+
+
+def _stub_comparison(monkeypatch: pytest.MonkeyPatch, medians: dict[str, float]) -> list[Any]:
+    """bench.compare as channels_last calls it, with the medians given: it still calls each
+    variant once (a hook on the model's conv1, deep-copied with it, records the layout that
+    reached each copy's first convolution)."""
+    from perfsdk import bench
+    from perfsdk.optimize import channels_last as module
+
+    seen: list[Any] = []
+
+    def compare(fns: Any, *args: Any, baseline: str, **kwargs: Any) -> bench.Comparison:
+        for fn in fns.values():
+            fn(*args)
+        results = {name: bench.BenchResult(name, (ms,), ms, ms, ms, ms, ms, 0.0, None, None,
+                                           "cpu", 0, 1) for name, ms in medians.items()}
+        seen.append((list(fns), baseline, kwargs["min_time"] >= 0.5))
+        return bench.Comparison(results, baseline)
+
+    monkeypatch.setattr(module.bench, "compare", compare)
+    return seen
+
+
+def test_channels_last_with_inputs_keeps_it_when_it_measures_faster(monkeypatch) -> None:
+    model, x = _simplenet()
+    seen = _stub_comparison(monkeypatch, {"contiguous": 10.0, "channels_last": 8.0})
+    model.conv1.register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NoEffectWarning
+        assert apply_channels_last(model, inputs=x) is model
+    # the first look (contiguous: a warm-up and a timed call), then both variants, on copies
+    assert seen == [False, False, False, True,
+                    (["contiguous", "channels_last"], "contiguous", True)]
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert applied(model) == {"channels_last": {"conv2d": 3}}
+
+
+def test_channels_last_with_inputs_measured_slower_warns_with_the_ratio(monkeypatch) -> None:
+    model, x = _simplenet()
+    before = [p.stride() for p in model.parameters()]
+    _stub_comparison(monkeypatch, {"contiguous": 10.0, "channels_last": 10.0 / 0.9})
+    with pytest.warns(NoEffectWarning, match=r"measured 0\.90x the speed of contiguous"):
+        assert apply_channels_last(model, example_inputs=(x,)) is model
+    assert [p.stride() for p in model.parameters()] == before  # contiguous, unchanged
+    assert not model._forward_pre_hooks
+    assert applied(model) == {}
+    _stub_comparison(monkeypatch, {"contiguous": 10.0, "channels_last": 10.0 / 1.02})
+    with pytest.warns(NoEffectWarning, match=r"1\.02x .*kept only from 1\.03x"):
+        apply_channels_last(model, inputs=x)  # within noise: not kept either
+    with pytest.raises(ValueError, match="inputs"):
+        apply_channels_last(model, inputs="images")
+    with pytest.raises(ValueError, match="not both"):
+        apply_channels_last(model, inputs=x, example_inputs=x)
 
 
 # ---------------------------------------------------------------------------------- checkpointing

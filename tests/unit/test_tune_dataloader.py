@@ -95,7 +95,7 @@ def test_a_trial_times_the_batches_after_two_warm_up_ones(monkeypatch, cpu_only)
         now[0] += next(costs)
 
     tuning = tune_dataloader(Items(40), 4, num_workers=(0,), pin_memory=(False,), batches=5,
-                             consume=consume, progress=False)
+                             repeats=1, consume=consume, progress=False)
     (row,) = tuning.rows
     assert row["startup_s"] == pytest.approx(0.060)
     assert row["seconds"] == pytest.approx(0.050)
@@ -158,7 +158,7 @@ def test_pin_memory_tried_where_an_accelerator_exists(monkeypatch):
 
     monkeypatch.setattr(dl, "_accelerator_available", lambda: True)
     monkeypatch.setattr(dl, "_trial", fake_trial)
-    tuning = tune_dataloader(Items(8), 2, num_workers=(0,), progress=False)
+    tuning = tune_dataloader(Items(8), 2, num_workers=(0,), repeats=1, progress=False)
     assert [c["pin_memory"] for c in calls] == [False, True]
     assert tuning.best == {"num_workers": 0, "pin_memory": True}
     assert not any("pin_memory" in note for note in tuning.notes)
@@ -177,7 +177,7 @@ def test_near_ties_go_to_the_simpler_setting(monkeypatch):
 def test_consume_is_timed_on_every_batch_and_loader_kwargs_are_kept(cpu_only):
     seen = []
     tuning = tune_dataloader(Items(20), 4, num_workers=(0,), pin_memory=(False,), batches=5,
-                             consume=seen.append, progress=False, drop_last=True)
+                             repeats=1, consume=seen.append, progress=False, drop_last=True)
     assert len(seen) == 2 + 5  # warm-up and timed batches
     assert tuning.best == {"drop_last": True, "num_workers": 0, "pin_memory": False}
 
@@ -220,6 +220,7 @@ def test_every_setting_failing_raises():
     ({"batch_size": 0}, "batch_size"),
     ({"batch_size": 2.0}, "batch_size"),
     ({"batches": 0}, "batches"),
+    ({"repeats": 0}, "repeats"),
     ({"num_workers": ()}, "num_workers"),
     ({"num_workers": (-1,)}, "num_workers"),
     ({"num_workers": "2"}, "num_workers"),
@@ -315,7 +316,7 @@ def test_progress_bar_never_breaks_the_caller():
 def test_tune_dataloader_shows_progress_on_a_terminal(monkeypatch, cpu_only):
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
-    tune_dataloader(Items(8), 2, num_workers=(0,), batches=2)
+    tune_dataloader(Items(8), 2, num_workers=(0,), batches=2, repeats=1)
     text = tty.getvalue()
     assert "tune_dataloader [" in text
     assert "num_workers=0 pin_memory=False" in text
@@ -334,3 +335,55 @@ def test_more_workers_than_cpus_is_tried_quietly_with_a_note(monkeypatch, no_lea
                              progress=False)
     assert tuning.rows[0]["error"] is None
     assert "num_workers above 1 exceeds the CPUs" in tuning.table()
+
+
+# -- noise-aware choice (issue 14) -----------------------------------------------------------
+def measured(rates: dict[int, list[float]]):
+    """A _trial that returns, per worker count, the next of the given samples/s."""
+    left = {k: iter(v) for k, v in rates.items()}
+    order: list[int] = []
+
+    def trial(dataset, batch_size, kwargs, batches, consume):
+        order.append(kwargs["num_workers"])
+        rate = next(left[kwargs["num_workers"]])
+        return {"batches_per_s": rate, "samples_per_s": rate, "startup_s": 0.0, "seconds": 1.0}
+    return trial, order
+
+
+def test_a_setting_is_kept_only_when_it_beats_the_noise(monkeypatch) -> None:
+    """Workers measure 7% faster by median, but their repeats spread over 17%: within the
+    noise, so the simpler setting stays. With tight repeats the same 7% is kept."""
+    trial, order = measured({0: [100.0, 110.0, 105.0], 2: [120.0, 100.0, 112.0]})
+    monkeypatch.setattr(dl, "_trial", trial)
+    args = {"num_workers": (0, 2), "pin_memory": (False,), "persistent_workers": (False,),
+            "prefetch_factor": (2,), "progress": False}
+    tuning = tune_dataloader(Items(8), 2, **args)
+    assert order == [0, 2, 0, 2, 0, 2]  # three rounds, interleaved
+    fast = tuning.rows[1]
+    assert fast["samples_per_s"] == 112.0
+    assert fast["samples_per_s_repeats"] == [120.0, 100.0, 112.0]
+    assert fast["spread"] == pytest.approx(20.0 / 112.0)
+    assert tuning.best["num_workers"] == 0
+    assert "17.9%" in tuning.table()
+    trial, _ = measured({0: [100.0, 101.0, 100.5], 2: [107.0, 107.5, 108.0]})
+    monkeypatch.setattr(dl, "_trial", trial)
+    assert tune_dataloader(Items(8), 2, **args).best["num_workers"] == 2
+
+
+def test_persistent_workers_are_not_tried_within_one_epoch(monkeypatch) -> None:
+    """The issue's contradiction: persistent_workers=True was picked while the notes said it
+    cannot help within one epoch. Within one epoch it is not tried at all."""
+    tried: list[bool] = []
+
+    def trial(dataset, batch_size, kwargs, batches, consume):
+        tried.append(kwargs.get("persistent_workers", False))
+        rate = 134.0 if kwargs.get("persistent_workers") else 117.0
+        return {"batches_per_s": rate, "samples_per_s": rate, "startup_s": 0.0, "seconds": 1.0}
+
+    monkeypatch.setattr(dl, "_trial", trial)
+    tuning = tune_dataloader(Items(200), 2, num_workers=(2,), pin_memory=(False,),
+                             prefetch_factor=(2,), batches=10, repeats=1, progress=False)
+    assert tried == [False]
+    assert tuning.best["persistent_workers"] is False
+    assert "persistent_workers=True not tried: each trial stays within one epoch" in (
+        tuning.table())
