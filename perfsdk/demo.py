@@ -26,6 +26,7 @@ Both runs go to the Perfetto trace and the spans file; each is saved for ``perfs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -33,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -63,6 +64,10 @@ LATENCY_MS = 5.0
 """Simulated storage latency per image, in milliseconds (a read from network storage)."""
 KEEP_ABOVE = 1.05
 """A fix is kept when the set-up with it runs at least this many times faster than without."""
+BEFORE_S = 40.0
+"""The before run stops at the first step that ends this many seconds after its start (on a
+machine much slower or busier than the demo expects); the after run then trains on as many
+images."""
 BUDGET_S = 45.0
 """Seconds the demo spends choosing fixes; a candidate that would not fit is not tried."""
 COMPILE_S = {"cpu": 60.0, "cuda": 30.0}
@@ -299,7 +304,9 @@ def run_demo(steps: int = 60, batch_size: int = 8, image_size: int = 32,
     stream.write(f"1/3 before: the lab's loop (batch {batch_size}, num_workers=0, loss.item() "
                  "on every step)\n")
     before = _phase("before", lambda: _lab_loop(data, batch_size, image_size, device), steps,
-                    progress, directory, stream, ran=lambda: lab)
+                    progress, directory, stream, ran=lambda: lab, limit_s=BEFORE_S)
+    if before.samples < len(data):  # stopped early: the after run trains on as many images
+        data = StoredImages(before.samples, image_size, latency_ms)
 
     stream.write(f"2/3 choose: each fix tried in an interleaved A/B on this machine and kept "
                  f"only if\n    at least {KEEP_ABOVE:.2f}x faster (ratio = time without / time "
@@ -325,27 +332,32 @@ def run_demo(steps: int = 60, batch_size: int = 8, image_size: int = 32,
     return DemoResult(before, after, files, tuple(trials), setup)
 
 
-Loop = Callable[[], Iterable[int]]
+Loop = Callable[[], Generator[int, None, None]]
 
 
 def _phase(name: str, loop: Loop, steps: int, progress: bool | None, directory: Path,
-           stream: TextIO, ran: Callable[[], Setup]) -> Phase:
+           stream: TextIO, ran: Callable[[], Setup], limit_s: float = math.inf) -> Phase:
     """Run ``loop`` (it yields each step's samples) measured; print its summary and advice.
-    ``ran`` tells the set-up the loop ran with (recorded on the phase's region)."""
+    ``ran`` tells the set-up the loop ran with (recorded on the phase's region); the loop stops
+    at the first step that ends ``limit_s`` seconds or more after the start."""
     from perfsdk.lifecycle import SUMMARY
 
     perfsdk.flush()
     SUMMARY.reset()
     _sync.reset()
-    samples = 0
+    samples = done = 0
     started = time.perf_counter()
     with RunRecorder() as recorder, \
             perfsdk.timed_region(f"demo.{name}", category="demo") as region, \
             perfsdk.no_sync_guard("count", assume_device=True), \
             Progress(steps, label=f"  {name}", force=progress) as bar:
-        for n in loop():
-            samples += n
-            bar.advance()
+        with contextlib.closing(loop()) as batches:
+            for n in batches:
+                samples += n
+                bar.advance()
+                done += 1
+                if time.perf_counter() - started >= limit_s and done < steps:
+                    break
         setup = ran()
         region.set_attributes({f"demo.{k}": "fp32" if k == "amp" and v is None else v
                                for k, v in dataclasses.asdict(setup).items()})
@@ -364,6 +376,10 @@ def _phase(name: str, loop: Loop, steps: int, progress: bool | None, directory: 
     save_run(_phase_dir(directory, name), command=["perfsdk", "demo", name], exit_code=0,
              wall_s=wall_s, files={}, summary=summary, regions=recorder.regions,
              dropped=recorder.dropped)
+    if done < steps:
+        stream.write(f"  stopped after {limit_s:.0f} s, at step {done} of {steps}: this "
+                     "machine is slower or busier than the demo\n  expects; the after run "
+                     f"trains on the same number of images\n")
     stream.write(f"  {phase.steps} steps, {samples} images in {wall_s:.2f} s: "
                  f"{phase.samples_per_s:,.1f} images/s\n\n{render(summary.rows)}\n\n"
                  f"{advice}\n\n")
@@ -396,7 +412,8 @@ def _warm_up(data: StoredImages, batch: int, device: str) -> None:
     _sync.reset()  # what the guard saw here is no part of the runs
 
 
-def _lab_loop(data: StoredImages, batch: int, image_size: int, device: str) -> Iterable[int]:
+def _lab_loop(data: StoredImages, batch: int, image_size: int, device: str
+              ) -> Generator[int, None, None]:
     """The lab's training loop as its unoptimized script writes it."""
     model = _model(image_size, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LAB_LR, momentum=0.9)
@@ -415,7 +432,7 @@ def _lab_loop(data: StoredImages, batch: int, image_size: int, device: str) -> I
             yield len(x)
 
 
-def _fixed_loop(trainer: _Trainer) -> Iterable[int]:
+def _fixed_loop(trainer: _Trainer) -> Generator[int, None, None]:
     """The same training with the kept fixes: ``TrainStep`` (no sync per step) and the chosen
     DataLoader, batch, autocast, memory format and compilation."""
     with perfsdk.instrument_module(trainer.model, depth=1):
@@ -593,8 +610,8 @@ def measure_fix(without: Setup, with_fix: Setup, data: StoredImages, *, on: str,
 
 
 _MENTIONS = {"amp": ("apply_amp", "amp="), "channels_last": ("channels_last",),
-             "compiled": ("compile",), "workers": ("tune_dataloader", "num_workers"),
-             "batch_size": ("batch",)}
+             "compiled": ("compile",), "workers": ("tune_dataloader", "num_workers")}
+"""The words by which an advisor's fix names each candidate."""
 
 
 def _measured_note(advice: Advice, trials: list[Trial]) -> str:

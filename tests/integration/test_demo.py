@@ -286,6 +286,35 @@ def test_the_after_loop_runs_exactly_the_fixes_measured_faster(monkeypatch, tmp_
     assert "0.95x  rejected: not faster here" in text
 
 
+def test_a_slow_before_run_stops_and_an_exhausted_budget_tries_nothing(monkeypatch,
+                                                                       tmp_path) -> None:
+    """Past BEFORE_S the before run stops (the after run trains on as many images); past the
+    budget no A/B starts, and nothing untried or rejected is applied."""
+
+    def no_measure(*args: Any, **kwargs: Any) -> float:
+        raise AssertionError("no A/B may start once the budget has run out")
+
+    monkeypatch.setattr(demo_module, "BEFORE_S", 0.0)
+    monkeypatch.setattr(demo_module, "measure_fix", no_measure)
+    monkeypatch.setattr(demo_module, "autocast_speedup", lambda dtype, device: 0.1)
+    out = io.StringIO()
+    result = run_demo(steps=5, batch_size=2, image_size=8, output_dir=tmp_path,
+                      exporters=("none",), out=out, progress=False, latency_ms=0,
+                      budget_s=1e-6)
+    text = out.getvalue()
+    assert "stopped after 0 s, at step 1 of 5" in text
+    assert result.before.samples == result.after.samples == 2
+    assert result.setup == result.after.ran == Setup(2)
+    assert "3/3 after: the kept fixes (batch 2, num_workers=0, float32)" in text
+    assert [(t.field, t.status) for t in result.trials if t.field != "workers"] == [
+        ("batch_size", "not tried"), ("amp", "rejected"), ("channels_last", "not tried"),
+        ("compiled", "not tried")]
+    assert all(t.status == "not tried" for t in result.trials if t.field == "workers")
+    assert "the 0 s budget ran out" in text
+    assert "0.10x  rejected: slower than float32 here" in text  # the probe needs no budget
+    assert result.after.syncs_per_step == 0  # TrainStep keeps the losses on the device
+
+
 def dataclasses_dict(setup: Setup) -> dict[str, Any]:
     return {field: getattr(setup, field) for field in vars(setup)}
 
