@@ -320,9 +320,11 @@ def run_demo(steps: int = 60, batch_size: int = 8, image_size: int = 32,
     fixed = _Trainer(setup, data, device)
     after_steps = -(-len(data) // setup.batch_size)
     stream.write(f"3/3 after: the kept fixes ({setup.describe()})\n")
-    after = _phase("after", lambda: _fixed_loop(fixed), after_steps, progress, directory,
-                   stream, ran=fixed.ran)
-    fixed.close()
+    try:
+        after = _phase("after", lambda: _fixed_loop(fixed), after_steps, progress, directory,
+                       stream, ran=fixed.ran)
+    finally:
+        fixed.close()
     stream.write(_measured_note(after.advice, trials))
     stream.write(_table(before, after) + "\n")
     perfsdk.flush()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import subprocess
@@ -253,6 +254,7 @@ def test_the_after_loop_runs_exactly_the_fixes_measured_faster(monkeypatch, tmp_
     result = run_demo(steps=4, batch_size=2, image_size=8, output_dir=tmp_path,
                       exporters=("none",), out=out, progress=False, latency_ms=0)
     text = out.getvalue()
+    assert not multiprocessing.active_children()  # no worker process outlives the demo
     amp = amp_ratio is not None
     expected = Setup(2, workers=2, amp="bf16" if amp else None, channels_last=True)
     assert result.setup == expected
