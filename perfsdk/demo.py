@@ -64,7 +64,7 @@ LATENCY_MS = 5.0
 """Simulated storage latency per image, in milliseconds (a read from network storage)."""
 KEEP_ABOVE = 1.05
 """A fix is kept when the set-up with it runs at least this many times faster than without."""
-BEFORE_S = 40.0
+BEFORE_S = 30.0
 """The before run stops at the first step that ends this many seconds after its start (on a
 machine much slower or busier than the demo expects); the after run then trains on as many
 images."""
