@@ -15,7 +15,7 @@ model, so weights are equal):
   ``instrumented`` (a region per module).
 - ``simplenet_train``: SimpleNet forward + backward (no optimizer). ``bare``,
   ``instrumented_fwd`` (``backward=False``) and ``instrumented`` (forward and backward regions).
-- ``encoder_infer``: ``perfsdk.optimize._models.encoder()`` (4 layers, d_model 256), batch
+- ``encoder_infer``: ``perfsdk.testing.models.encoder()`` (4 layers, d_model 256), batch
   2 x 16 tokens, eval, no_grad: where the issue measured 6.3 -> 22 ms from forward hooks.
   ``bare``, ``instrumented`` (fast path kept) and ``hooks_everywhere`` (an empty forward
   pre-hook and hook on every module: what a naive per-module instrumentation does).
@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace) -> int:
     import perfsdk
     from perfsdk.auto import instrument_module
     from perfsdk.bench import compare
-    from perfsdk.optimize._models import SimpleNet, encoder
+    from perfsdk.testing.models import SimpleNet, encoder
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

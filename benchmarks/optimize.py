@@ -141,7 +141,7 @@ def build(kind: str, mode: str, quick: bool, device: str = "cpu"
     import torch
     from torch.nn import functional
 
-    from perfsdk.optimize._models import SimpleNet, encoder, simplenet_inputs
+    from perfsdk.testing.models import SimpleNet, encoder, simplenet_inputs
 
     shape = SHAPES[kind][quick]
     torch.manual_seed(0)

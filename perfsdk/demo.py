@@ -52,8 +52,8 @@ from perfsdk.advisor import Advice, advise
 from perfsdk.bench import compare
 from perfsdk.export.summary import Summary, percentile, render
 from perfsdk.optimize import TrainStep, applied, apply_channels_last, apply_compile, fallbacks
-from perfsdk.optimize._models import SimpleNet, SyntheticImages
 from perfsdk.optimize.probe import PRUNE_BELOW, autocast_speedup
+from perfsdk.testing.models import SimpleNet, SyntheticImages
 
 __all__ = ["BUDGET_S", "KEEP_ABOVE", "LATENCY_MS", "DemoResult", "Phase", "Setup",
            "StoredImages", "Trial", "measure_fix", "run_demo"]

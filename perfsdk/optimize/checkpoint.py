@@ -19,7 +19,7 @@ Modules are changed by wrapping their ``forward`` (an instance attribute), so pa
 Example:
     >>> import torch
     >>> from perfsdk.optimize.checkpoint import apply_checkpointing
-    >>> from perfsdk.optimize._models import encoder
+    >>> from perfsdk.testing.models import encoder
     >>> model = apply_checkpointing(encoder(64, 2), modules=torch.nn.TransformerEncoderLayer)
     >>> model(torch.randn(2, 8, 64)).sum().backward()  # layers recomputed during backward
 """

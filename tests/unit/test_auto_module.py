@@ -13,9 +13,9 @@ from torch import nn
 import perfsdk
 from perfsdk.auto import instrument_module
 from perfsdk.context import current_span
-from perfsdk.optimize._models import SimpleNet, encoder
 from perfsdk.region import Region
 from perfsdk.testing import capture
+from perfsdk.testing.models import SimpleNet, encoder
 
 CHILDREN = ["conv1", "conv2", "conv3", "pool", "fc1", "fc2", "relu"]
 

@@ -67,6 +67,7 @@ def test_version(tmp_path):
     (["demo", "--steps", "x"], 2, "argument --steps: 'x' is not an integer"),
     (["demo", "--steps", "1"], 2, "--steps must be >= 2"),
     (["demo", "--exporter", "jaeger"], 2, "perfsdk demo: --exporter: unknown exporter 'jaeger'"),
+    (["demo", "--latency-ms", "-1"], 2, "perfsdk demo: --latency-ms -1.0: accepted values are"),
 ])
 def test_answers_without_importing_torch(tmp_path, args, code, expected):
     """--help, the version, usage and argument errors and a missing script or directory are

@@ -22,12 +22,12 @@ from torch.utils._pytree import tree_flatten
 import perfsdk.optimize.checkpoint as checkpoint_module
 from perfsdk.errors import NoEffectWarning
 from perfsdk.optimize._marks import applied, mark
-from perfsdk.optimize._models import SimpleNet, encoder, simplenet_inputs
 from perfsdk.optimize.amp import apply_amp
 from perfsdk.optimize.backends import backend_flags, restore_backends, set_backends
 from perfsdk.optimize.channels_last import apply_channels_last
 from perfsdk.optimize.checkpoint import apply_checkpointing
 from perfsdk.optimize.compile import apply_compile
+from perfsdk.testing.models import SimpleNet, encoder, simplenet_inputs
 
 # ---------------------------------------------------------------------------------- helpers
 

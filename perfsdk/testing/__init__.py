@@ -1,6 +1,7 @@
 """Test helpers, for perfsdk's tests and for users' own: capture regions and spans in memory,
-a fake CUDA device whose events complete when the test says so, and a fake host clock that
-moves only when the test says so.
+a fake CUDA device whose events complete when the test says so, a fake host clock that
+moves only when the test says so, and the reference models (the course lab's ``SimpleNet``
+and its synthetic images, a small Transformer encoder).
 
 Example:
     >>> import perfsdk
@@ -28,9 +29,11 @@ from perfsdk._fake_tensor import FakeCudaTensor, FakePinnedTensor
 from perfsdk.config import get_config
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
+from perfsdk.testing.models import SimpleNet, SyntheticImages, encoder, simplenet_inputs
 
 __all__ = ["Capture", "FakeClock", "FakeCuda", "FakeCudaTensor", "FakeEvent", "FakeGraph",
-           "FakePinnedTensor", "FakeStream", "capture", "use_fake_clock", "use_fake_cuda"]
+           "FakePinnedTensor", "FakeStream", "SimpleNet", "SyntheticImages", "capture", "encoder",
+           "simplenet_inputs", "use_fake_clock", "use_fake_cuda"]
 
 
 class Capture:
