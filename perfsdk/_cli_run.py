@@ -194,7 +194,7 @@ def report(directory: str, *, out: TextIO, err: TextIO) -> int:
     out.write(f"perfsdk report: {' '.join(run.command)} exited with {run.exit_code} after "
               f"{run.wall_s:.2f} s ({len(run.regions)} regions"
               + (f", {run.dropped} more not kept" if run.dropped else "") + ")\n\n")
-    advice = advise(run.regions)
+    advice = advise(run.regions, summary=run.summary)  # its syncs outside regions, too
     files = {k: v for k, v in run.files.items() if Path(v).exists()}
     files["run"] = str(Path(directory) / RUN_FILE)
     render_report(run.summary, advice, out, files)

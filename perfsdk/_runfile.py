@@ -26,6 +26,7 @@ from perfsdk.errors import warn_once
 from perfsdk.export.summary import RegionStats, Summary, SummarySink
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
+from perfsdk.sync import SyncSite
 
 __all__ = ["REDACTED", "RUN_FILE", "RunRecorder", "SavedRun", "is_secret_name", "load_run",
            "redact_command", "save_run"]
@@ -214,6 +215,7 @@ def save_run(directory: str | os.PathLike[str], *, command: Sequence[str], exit_
     path = Path(directory) / RUN_FILE
     data = {"format": FORMAT, "command": redact_command(command), "exit_code": exit_code,
             "wall_s": wall_s, "files": dict(files), "summary": summary.as_dicts(),
+            "sync_sites": [dataclasses.asdict(site) for site in summary.sync_sites],
             "regions": [_region_dict(r) for r in regions], "dropped": dropped}
     tmp = path.with_suffix(".json.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -241,8 +243,11 @@ def load_run(directory: str | os.PathLike[str]) -> SavedRun:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         rows = tuple(RegionStats(**row) for row in data["summary"])
+        sites = tuple(SyncSite(**{**site, "outside_ns": tuple(site.get("outside_ns", ()))})
+                      for site in data.get("sync_sites", ()))  # absent from older files
         regions = tuple(_region(r) for r in data["regions"])
         return SavedRun(tuple(data["command"]), int(data["exit_code"]), float(data["wall_s"]),
-                        dict(data["files"]), Summary(rows), regions, int(data["dropped"]))
+                        dict(data["files"]), Summary(rows, sites), regions,
+                        int(data["dropped"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a perfsdk run file: {exc}") from None

@@ -84,6 +84,22 @@ def test_run_with_syncs_names_the_per_step_item(tmp_path) -> None:
     assert "Host-device syncs" in advice
     assert f"{LAB}:{ITEM_LINE} item (8x in all)" in advice
     assert "host-device syncs: none recorded" not in advice
+    again = perfsdk("report", str(tmp_path / "out"), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout[again.stdout.index("perfsdk advice"):].split("\nfiles:")[0] == \
+        advice.split("\nfiles:")[0]  # the saved run keeps its sync sites
+
+
+def test_saved_run_keeps_the_sync_sites(tmp_path) -> None:
+    from perfsdk._runfile import load_run, save_run
+    from perfsdk.export.summary import Summary
+    from perfsdk.sync import SyncSite
+
+    site = SyncSite("train.py", 7, "item", "aten::_local_scalar_dense", 3, "loss.item()",
+                    outside=2, outside_ns=(10, 20))
+    save_run(tmp_path, command=["train.py"], exit_code=0, wall_s=1.0, files={},
+             summary=Summary((), (site,)), regions=())
+    assert load_run(tmp_path).summary.sync_sites == (site,)
 
 
 def test_run_defers_to_the_scripts_own_instrumentation(tmp_path) -> None:
