@@ -14,6 +14,7 @@ OpenTelemetry's own exporters untouched.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import threading
@@ -540,6 +541,9 @@ def configure(
         new = dataclasses.replace(_config, **changes)
     except ValueError as exc:  # settings that must agree with each other (Config.__post_init__)
         raise ValueError(f"configure(): {exc}") from None
+    # The composition root must hear of the change (to build, check or close the exporters),
+    # also when a program imported this module alone (``import perfsdk`` is lazy).
+    importlib.import_module("perfsdk.lifecycle")
     return _replace(new)
 
 

@@ -166,3 +166,18 @@ except perfsdk.MissingDependencyError as exc:
 assert not [m for m in sys.modules if m.split(".")[0] == "matplotlib"]
 """)
     assert "named: True" in out
+
+
+def test_configure_imported_alone_still_names_the_missing_exporter_package():
+    """``import perfsdk`` is lazy: ``configure`` imported from perfsdk.config before anything
+    else must still reach the composition root, which checks the exporter's package."""
+    out = run(BLOCK_IMPORTS + """
+from perfsdk.config import configure, get_config
+from perfsdk.errors import MissingDependencyError
+
+try:
+    configure(exporter="otlp")
+except MissingDependencyError as exc:
+    print("named:", "pip install 'perfsdk[otlp]'" in str(exc), get_config().exporters)
+""")
+    assert "named: True ()" in out
