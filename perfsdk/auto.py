@@ -24,10 +24,13 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
+
+import wrapt
 
 from perfsdk._auto_capture import CaptureRange, TorchProfileRange, nsys_command
 from perfsdk._auto_module import FAST_PATH_TYPES, ModuleInstrumentation, instrument_module
@@ -176,36 +179,50 @@ class _DataWaitIterator(Generic[T]):
         return getattr(self._inner, name)
 
 
-class InstrumentedLoader(Generic[T]):
-    """An iterable whose iterators wait for each batch inside a ``data_wait`` region.
+class InstrumentedLoader(wrapt.ObjectProxy, Generic[T]):  # type: ignore[type-arg]
+    """A transparent proxy for the loader whose iterators wait for each batch inside a
+    ``data_wait`` region.
 
-    ``len()`` and every attribute of the wrapped loader (``dataset``, ``batch_size``,
-    ``sampler`` ...) are the loader's own; ``.loader`` is the loader itself.
+    It passes ``isinstance(x, DataLoader)`` (a wrapt ``ObjectProxy``: ``__class__`` is the
+    loader's), so code that checks the type (Lightning, Hugging Face, the user's own) takes it
+    for the loader. ``len()``, every attribute (``dataset``, ``batch_size``, ``sampler`` ...),
+    reads and writes alike, are the loader's own; ``.loader`` is the loader itself, never
+    changed. It pickles and copies as a new proxy for a pickled or copied loader.
     """
 
     def __init__(self, loader: Iterable[T]) -> None:
-        self.loader = loader
+        super().__init__(loader)
+
+    @property
+    def loader(self) -> Iterable[T]:
+        """The wrapped loader."""
+        return self.__wrapped__  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[T]:
+        loader = self.__wrapped__
         try:
-            length: int | None = len(self.loader)  # type: ignore[arg-type]
+            length: int | None = len(loader)
         except TypeError:
             length = None
-        inner = iter(self.loader)
+        inner = iter(loader)
         if getattr(inner, "_perfsdk_data_wait", False):  # already one (under `perfsdk run`)
-            return inner
+            return inner  # type: ignore[no-any-return]
         return _DataWaitIterator(inner, length)
 
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return InstrumentedLoader, (self.__wrapped__,)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.loader, name)
+    def __reduce__(self) -> tuple[Any, ...]:
+        return InstrumentedLoader, (self.__wrapped__,)
+
+    def __copy__(self) -> InstrumentedLoader[T]:
+        return InstrumentedLoader(copy.copy(self.__wrapped__))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InstrumentedLoader[T]:
+        return InstrumentedLoader(copy.deepcopy(self.__wrapped__, memo))
 
     def __repr__(self) -> str:
-        return f"InstrumentedLoader({self.loader!r})"
+        return f"InstrumentedLoader({self.__wrapped__!r})"
 
 
 def instrument_dataloader(loader: Iterable[T]) -> InstrumentedLoader[T]:
@@ -215,7 +232,9 @@ def instrument_dataloader(loader: Iterable[T]) -> InstrumentedLoader[T]:
     attribute ``perfsdk.batch``, the batch's 0-based index in the epoch: its host time is how
     long the loop waited for that batch (with ``num_workers > 0``, only the part the workers
     had not prepared in advance). When the loader has a ``len()``, the final ``next()`` that
-    ends the epoch is not recorded, so there is one ``data_wait`` per batch.
+    ends the epoch is not recorded, so there is one ``data_wait`` per batch. The result is an
+    ``isinstance`` of the loader's class (``torch.utils.data.DataLoader``); the loader itself
+    is not changed.
 
     Raises:
         ValueError: ``loader`` is not iterable.

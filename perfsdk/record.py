@@ -21,7 +21,8 @@ from perfsdk import clocks
 from perfsdk.distributed import rank_attributes
 from perfsdk.memory import memory_attributes
 
-__all__ = ["SPECS", "RegionResult", "attributes", "register", "to_result"]
+__all__ = ["NOTED", "SPECS", "THREAD_NAMES", "RegionResult", "attributes", "note_thread",
+           "register", "to_result"]
 
 # Field indices of a record tuple.
 (SPEC, TRACE, SPAN, PARENT, T0, T1, THREAD, ERROR, ATTRS, EVENTS, MEMORY, START, END, REGION,
@@ -40,6 +41,41 @@ def register(spec: Any) -> int:
     with _lock:
         SPECS.append(spec)
         return len(SPECS) - 1
+
+
+class _Noted(threading.local):
+    """Per thread: whether this thread has put its name in :data:`THREAD_NAMES`. A new thread
+    starts False, also one that reuses the ident of a thread that has ended."""
+
+    done = False
+
+
+NOTED = _Noted()
+"""Read at each region entry (``if not NOTED.done: note_thread()``): one thread-local
+attribute read, the name is stored once per thread."""
+
+THREAD_NAMES: dict[int, tuple[str, int | None]] = {}
+"""Thread ident (``threading.get_ident()``, a record's ``THREAD``) -> (name, OS thread id) of
+the most recent thread with that ident that entered a region. Sinks that run after a thread
+has ended (the trace file) name its regions from here. Python reuses the ident of a thread
+that ended for a later one; that thread notes itself again and its entry replaces the old one
+(a new tuple, so a sink can tell a new thread from the old)."""
+
+_MAX_THREAD_NAMES = 10_000
+
+
+def note_thread() -> None:
+    """Remember the calling thread's name and OS id under its ident (once per thread)."""
+    thread = threading.current_thread()
+    ident = thread.ident
+    if ident is not None:
+        if len(THREAD_NAMES) >= _MAX_THREAD_NAMES:  # bounded: forget threads that ended
+            live = {t.ident for t in threading.enumerate()}
+            for gone in list(THREAD_NAMES):  # a copy: other threads may add meanwhile
+                if gone not in live:
+                    THREAD_NAMES.pop(gone, None)
+        THREAD_NAMES[ident] = (thread.name, thread.native_id)
+    NOTED.done = True
 
 
 def spec_of(record: Record) -> Any:

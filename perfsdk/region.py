@@ -43,6 +43,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_ids.seed)
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _get_ident = threading.get_ident
+_noted = _record.NOTED
+_note_thread = _record.note_thread
 _parent_ids = _ctx.parent_ids
 _record_function = markers.record_function
 _current_span = _ctx.current_span
@@ -248,6 +250,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             self.trace_id = trace_id or _getrandbits(128) or 1
         self.span_id = _getrandbits(64) or 1
         self.thread_id = _get_ident()
+        if not _noted.done:  # the thread's name, once per thread, for sinks that run after it
+            _note_thread()
         self._token = _attach(self)
         memory = spec.memory
         if memory or (memory is None and _state.memory):

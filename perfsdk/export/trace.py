@@ -18,7 +18,10 @@ The file:
 * ``ts`` is the host's ``perf_counter`` clock (``CLOCK_MONOTONIC`` on Linux), the clock every
   region is measured with, shared by all processes of the machine, so files from DataLoader
   workers or ranks on one node line up; ``otherData`` gives the wall-clock epoch of ``ts = 0``;
-* metadata events name the process and each thread lane; a child is emitted after its parent and
+* metadata events name the process and each thread lane, also the lane of a thread that ended
+  before its regions were exported (its name is noted at its first region: perfsdk.record's
+  ``THREAD_NAMES``); a later thread that reuses a dead thread's ident gets a lane and name of its
+  own. A child is emitted after its parent and
   always lies inside it (same clock, exact integers). Regions of one thread that overlap without
   nesting (asyncio tasks interleaving) go to an extra lane, ``<thread> (overlap N)``, because
   trace viewers require the slices of one lane to nest;
@@ -57,6 +60,7 @@ from perfsdk.record import (
     T0,
     T1,
     THREAD,
+    THREAD_NAMES,
     RegionResult,
 )
 
@@ -69,7 +73,7 @@ MAX_EVENTS = 250_000
 _LANE_STRIDE = 1 << 22
 """Added to a thread's id per overlap lane (Linux thread ids stay below 2**22)."""
 _UNKNOWN_TID = 1 << 30
-"""First id for threads that ended before their regions were exported."""
+"""First lane id for threads whose OS id is unknown or already taken by another lane."""
 _MAX_LANES = 255
 
 # A stored region: (name, cat, t0, t1, thread ident, span id, parent span id, declared attributes,
@@ -144,6 +148,7 @@ class TraceSink:
         self._lock = threading.Lock()
         self._events: list[_Event] = []
         self._threads: dict[int, tuple[int, str]] = {}
+        self._lane_of: dict[int, tuple[int, Any]] = {}
         self.dropped = 0
         self._dirty = False
 
@@ -175,6 +180,7 @@ class TraceSink:
             if path is not None and self._dirty:
                 ticket = self._request((path, self._events, self._threads, self.dropped))
             self._events, self._threads, self.dropped, self._dirty = [], {}, 0, False
+            self._lane_of = {}
             self.output_dir = new_dir
         if ticket is not None:
             self._wait(ticket, config.export_timeout_s if timeout is None else timeout)
@@ -187,11 +193,11 @@ class TraceSink:
             room = self.max_events - len(self._events)
             keep = records if room >= len(records) else records[:max(room, 0)]
             events = self._events
-            for rec in keep:
-                events.append(_from_record(rec, window))
             if keep:
+                lane = self._see_threads({rec[THREAD] for rec in keep})
+                for rec in keep:
+                    events.append(_from_record(rec, window, lane[rec[THREAD]]))
                 self._dirty = True
-                self._see_threads({rec[THREAD] for rec in keep})
             lost = len(records) - len(keep)
         if lost:
             with self._lock:
@@ -201,10 +207,29 @@ class TraceSink:
                       f"regions (PERFSDK_TRACE_MAX_REGIONS); later ones are counted (otherData "
                       f"'perfsdk.dropped_regions' in {self.path}) but not written.")
 
-    def _see_threads(self, idents: set[int]) -> None:
-        missing = idents.difference(self._threads)
-        if missing:
-            self._threads.update(_threads(missing, self._threads))
+    def _see_threads(self, idents: set[int]) -> dict[int, int]:
+        """Thread ident -> lane key for one batch of records: the ident itself, or, for a later
+        thread that reuses the ident of a thread already in the trace (its entry in
+        ``THREAD_NAMES`` was replaced), a key of its own, so each thread keeps its own lane and
+        name. A thread's records exported only after a later one took its ident are named
+        after the later one (Python gives no cheaper way to tell them apart)."""
+        out: dict[int, int] = {}
+        new: dict[int, int] = {}
+        lane_of = self._lane_of
+        for ident in idents:
+            entry = THREAD_NAMES.get(ident)
+            seen = lane_of.get(ident)
+            if seen is not None and (entry is None or seen[1] is entry):
+                out[ident] = seen[0]
+                continue
+            key = ident if seen is None else ident + ((len(self._threads) + 1) << 64)
+            lane_of[ident] = (key, entry)
+            out[ident] = new[ident] = key
+        if new:
+            named = _threads(new, self._threads)
+            for ident, key in new.items():
+                self._threads[key] = named[ident]
+        return out
 
     def flush(self, timeout: float) -> None:
         self._wait(self._request(), timeout)
@@ -287,14 +312,14 @@ def _error(error: BaseException | None) -> tuple[str, str] | None:
     return name, str(error)
 
 
-def _from_record(rec: Any, window: Any) -> _Event:
+def _from_record(rec: Any, window: Any, lane: int) -> _Event:
     spec = SPECS[rec[SPEC]]
     extra = rec[ATTRS]
     if window is not None:
         readings = window(rec[T0], rec[T1])
         if readings:
             extra = {**(extra or {}), **readings}
-    return (spec.name, spec.category, rec[T0], rec[T1], rec[THREAD], rec[SPAN], rec[PARENT],
+    return (spec.name, spec.category, rec[T0], rec[T1], lane, rec[SPAN], rec[PARENT],
             spec.attributes, extra, rec[MEMORY], rec[DEVICE_MS], _error(rec[ERROR]))
 
 
@@ -322,19 +347,26 @@ def _args(e: _Event) -> dict[str, Any]:
 
 def _threads(idents: Iterable[int], known: Mapping[int, tuple[int, str]]
              ) -> dict[int, tuple[int, str]]:
-    """Thread ident -> (OS thread id, name), for threads still alive; others get a stand-in."""
+    """Thread ident -> (OS thread id, name): a live thread's own (a rename shows), else the
+    name and id noted at the thread's first region; a lane id of its own when the OS id is
+    unknown or taken, and ``thread <ident>`` only for a thread never noted."""
     live = {t.ident: t for t in threading.enumerate()}
     taken = {tid for tid, _ in known.values()}
     out: dict[int, tuple[int, str]] = {}
     for ident in sorted(idents):
         thread = live.get(ident)
-        native = getattr(thread, "native_id", None)
-        if thread is not None and isinstance(native, int) and 0 < native < _LANE_STRIDE \
-                and native not in taken:
-            out[ident] = (native, thread.name)
+        noted = THREAD_NAMES.get(ident)
+        native: int | None
+        if thread is not None:
+            name, native = thread.name, thread.native_id
+        elif noted is not None:
+            name, native = noted
         else:
-            tid = _UNKNOWN_TID + len(taken)
-            out[ident] = (tid, f"thread {ident}" if thread is None else thread.name)
+            name, native = f"thread {ident}", None
+        if isinstance(native, int) and 0 < native < _LANE_STRIDE and native not in taken:
+            out[ident] = (native, name)
+        else:
+            out[ident] = (_UNKNOWN_TID + len(taken), name)
         taken.add(out[ident][0])
     return out
 

@@ -4,7 +4,9 @@ produced its batch, on the host clock every process shares)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 import time
 from collections.abc import Iterator
 
@@ -70,6 +72,36 @@ def test_one_data_wait_per_batch_with_two_workers():
     for wait, batch in zip(waits, batches, strict=True):
         made = clocks.epoch_ns(int(batch[:, 1].max().item()))
         assert wait.end_ns >= made, (wait.end_ns, made)
+
+
+def test_the_instrumented_loader_is_a_dataloader():
+    loader = DataLoader(SlowDataset(), batch_size=2, num_workers=2)
+    wrapped = auto.instrument_dataloader(loader)
+    assert isinstance(wrapped, DataLoader)  # what Lightning, HF and user code check
+    assert isinstance(perfsdk.instrument_dataloader(loader), DataLoader)
+    assert type(loader) is DataLoader  # the user's loader is not changed
+    assert wrapped.sampler is loader.sampler
+    assert wrapped.batch_sampler is loader.batch_sampler
+    assert wrapped.dataset is loader.dataset
+    assert auto.instrument_dataloader(wrapped) is wrapped
+    with capture() as cap:
+        first = [b[:, 0].tolist() for b in wrapped]
+        second = [b[:, 0].tolist() for b in wrapped]
+    assert first == second == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # one wait per batch in each epoch: the next() that ends an epoch is not recorded
+    assert [w.attributes["perfsdk.batch"] for w in cap.named("data_wait")] == [0, 1, 2, 3] * 2
+
+
+def test_the_instrumented_loader_pickles_and_copies():
+    wrapped = auto.instrument_dataloader(DataLoader(SlowDataset(), batch_size=4, num_workers=2))
+    for twin in (pickle.loads(pickle.dumps(wrapped)), copy.copy(wrapped),
+                 copy.deepcopy(wrapped)):
+        assert isinstance(twin, auto.InstrumentedLoader)
+        assert isinstance(twin, DataLoader)
+        assert twin.loader is not wrapped.loader
+        with capture() as cap:
+            assert len(list(twin)) == 2
+        assert len(cap.named("data_wait")) == 2
 
 
 def test_each_epoch_counts_batches_from_zero():

@@ -144,6 +144,103 @@ def test_two_threads_get_two_named_lanes(tmp_path: Path) -> None:
     assert tid["on-worker"] == thread.native_id
 
 
+class Held:
+    """A pipeline sink that keeps the records it is given, to hand them to a TraceSink later
+    (as when the pipeline exports a thread's regions only after the thread ended)."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def consume(self, records: list[Any]) -> None:
+        self.records.extend(records)
+
+    def flush(self, timeout: float) -> None:
+        pass
+
+    def shutdown(self, timeout: float) -> None:
+        pass
+
+    def take(self) -> list[Any]:
+        perfsdk.flush()
+        out, self.records = self.records, []
+        return out
+
+
+def run_named(name: str, region: str) -> tuple[int, int]:
+    """Run a thread called ``name`` that records ``region`` twice and ends; its (ident, OS id)."""
+    seen: list[int] = []
+
+    def work() -> None:
+        seen.extend((threading.get_ident(), threading.get_native_id()))
+        for _ in range(2):
+            with perfsdk.timed_region(region):
+                pass
+
+    thread = threading.Thread(target=work, name=name)
+    thread.start()
+    thread.join()
+    assert not thread.is_alive()
+    return seen[0], seen[1]
+
+
+def lane_names(data: dict[str, Any]) -> dict[int, str]:
+    return {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
+def test_a_thread_that_ended_keeps_its_name_in_the_sink(tmp_path: Path) -> None:
+    held = Held()
+    PIPELINE.sinks.append(held)
+    try:
+        _, native = run_named("loader-7", "load")
+        records = held.take()
+    finally:
+        PIPELINE.sinks.remove(held)
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    sink.consume(records)  # exported after the thread ended
+    sink.flush(10.0)
+    assert sink.path is not None
+    data = load(sink.path)
+    [tid] = {e["tid"] for e in slices(data) if e["name"] == "load"}
+    assert lane_names(data)[tid] == "loader-7"
+    assert tid == native
+
+
+def test_a_thread_that_ended_keeps_its_name_in_write_trace(tmp_path: Path) -> None:
+    with capture() as cap:
+        run_named("loader-7", "load")
+    data = load(write_trace(tmp_path / "t.json", cap.regions))
+    [tid] = {e["tid"] for e in slices(data) if e["name"] == "load"}
+    assert lane_names(data)[tid] == "loader-7"
+
+
+def test_a_thread_reusing_an_ident_gets_its_own_lane_and_name(tmp_path: Path) -> None:
+    held = Held()
+    PIPELINE.sinks.append(held)
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    try:
+        first, _ = run_named("loader-7", "a")
+        sink.consume(held.take())
+        for attempt in range(50):  # CPython on Linux hands a joined thread's ident to the next
+            ident, _ = run_named(f"loader-{8 + attempt}", "b")
+            if ident == first:
+                break
+            held.take()
+        else:
+            pytest.skip("this platform did not reuse a thread ident in 50 threads")
+        sink.consume(held.take())
+    finally:
+        PIPELINE.sinks.remove(held)
+    sink.flush(10.0)
+    assert sink.path is not None
+    data = load(sink.path)
+    tid = {e["name"]: e["tid"] for e in slices(data)}
+    names = lane_names(data)
+    assert names[tid["a"]] == "loader-7"
+    assert names[tid["b"]] == f"loader-{8 + attempt}"
+    assert tid["a"] != tid["b"]
+
+
 def test_args_hold_errors_memory_device_time_and_odd_floats(tmp_path: Path,
                                                             fake_cuda: Any) -> None:
     with capture() as cap:
