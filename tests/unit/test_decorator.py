@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import inspect
 import math
+import operator
 import pickle
 import threading
 import traceback
 import typing
 
 import pytest
+import torch
 
 import perfsdk
 from perfsdk import context, profiled, timed_region
@@ -58,7 +61,7 @@ def test_bare_decorator_records_one_region_named_by_qualname(captured):
     assert region.device_ms is None  # no GPU
     assert region.attributes["code.function"] == step.__qualname__
     assert region.attributes["code.filepath"] == __file__
-    assert region.attributes["code.lineno"] == step.__wrapped__.__code__.co_firstlineno
+    assert region.attributes["code.lineno"] == step.__wrapped__.__code__.co_firstlineno + 1
     assert captured.span(step.__qualname__).attributes["perfsdk.host_ms"] == region.host_ms
 
 
@@ -124,6 +127,87 @@ def test_callable_object_instance(captured):
     (region,) = resolved(captured)
     assert region.name == Doubler.__qualname__
     assert region.attributes["code.function"] == Doubler.__qualname__
+
+
+def _stacked(fn):
+    return fn
+
+
+def _with_args(*args, **kwargs):
+    return _stacked
+
+
+@_stacked
+@profiled(
+    "stacked",
+    color="green",
+    attributes={"def": "below"},
+)
+@_with_args(
+    1,
+    key="def stacked_fn():",  # a decorator line that mentions def is not the def
+)
+def stacked_fn():
+    return 1
+
+
+def test_code_lineno_is_the_def_line_under_a_multiline_decorator_stack(captured):
+    assert stacked_fn() == 1
+    (region,) = resolved(captured)
+    lines, start = inspect.getsourcelines(stacked_fn)
+    def_line = start + next(i for i, line in enumerate(lines) if line.startswith("def "))
+    assert inspect.unwrap(stacked_fn).__code__.co_firstlineno == start < def_line  # first @
+    assert region.attributes["code.lineno"] == def_line
+    assert region.attributes["code.function"] == "stacked_fn"
+
+
+def test_code_lineno_falls_back_when_the_source_is_unavailable(captured):
+    namespace: dict[str, typing.Any] = {"profiled": profiled}
+    exec(compile("@profiled\ndef made():\n    return 2\n", "<no source>", "exec"), namespace)
+    assert namespace["made"]() == 2
+    (region,) = resolved(captured)
+    assert region.attributes["code.filepath"] == "<no source>"
+    assert region.attributes["code.lineno"] == 1  # co_firstlineno: the best there is
+
+
+def _partial_target(x, y):
+    return x + y
+
+
+def test_partial_is_named_after_the_function_it_wraps(captured):
+    wrapped = profiled(functools.partial(functools.partial(_partial_target, 1), y=2))
+    assert wrapped() == 3
+    (region,) = resolved(captured)
+    assert region.name == "partial(_partial_target)"
+    code = _partial_target.__code__
+    assert region.attributes["code.function"] == "_partial_target"
+    assert region.attributes["code.filepath"] == code.co_filename == __file__
+    assert region.attributes["code.lineno"] == code.co_firstlineno
+    assert region.attributes["code.namespace"] == __name__
+
+
+@pytest.mark.parametrize(("fn", "args", "name", "function", "namespace"), [
+    (torch.relu, (torch.tensor([-1.0, 2.0]),), "torch.relu", "relu", "torch"),
+    (math.sqrt, (4.0,), "math.sqrt", "sqrt", "math"),
+    (operator.add, (1, 2), "operator.add", "add", "operator"),  # defined in _operator
+    (len, ([1],), "len", "len", "builtins"),
+    (str.upper, ("a",), "str.upper", "str.upper", None),  # a method of a builtin type
+    (torch.nn.functional.silu, (torch.tensor([1.0]),), "silu", "silu",
+     "torch.nn.functional"),  # a Python function: its __qualname__, like any other
+])
+def test_builtins_are_named_by_module_and_name(captured, fn, args, name, function, namespace):
+    profiled(fn)(*args)
+    (region,) = resolved(captured)
+    assert region.name == name
+    assert region.attributes["code.function"] == function
+    assert region.attributes.get("code.namespace") == namespace
+
+
+def test_partial_of_a_builtin(captured):
+    assert profiled(functools.partial(torch.add, other=1))(torch.tensor([1])).tolist() == [2]
+    (region,) = resolved(captured)
+    assert region.name == "partial(torch.add)"
+    assert region.attributes["code.namespace"] == "torch"
 
 
 @pytest.mark.asyncio
@@ -615,6 +699,47 @@ async def test_async_generator_closed_early_and_collected(captured):
     assert PIPELINE.pending == 0
 
 
+def test_async_generator_abandoned_with_break_records_no_error(captured):
+    cleaned = []
+
+    @profiled("agen.break")
+    async def ticks():
+        try:
+            while True:
+                await asyncio.sleep(0)
+                yield 1
+        finally:
+            cleaned.append(True)
+
+    async def main():
+        async for _ in ticks():
+            break  # abandoned: asyncio.run closes it at shutdown (cancelling its aclose task)
+
+    asyncio.run(main())
+    assert cleaned == [True]
+    regions = resolved(captured)
+    assert [(r.name, r.error) for r in regions] == [("agen.break", None)]
+    assert PIPELINE.pending == 0
+
+
+def test_generator_abandoned_with_break_records_no_error(captured):
+    cleaned = []
+
+    @profiled("gen.break")
+    def ticks():
+        try:
+            while True:
+                yield 1
+        finally:
+            cleaned.append(True)
+
+    for _ in ticks():
+        break
+    gc.collect()
+    assert cleaned == [True]
+    assert [(r.name, r.error) for r in resolved(captured)] == [("gen.break", None)]
+
+
 @pytest.mark.asyncio
 async def test_exception_thrown_into_async_generator(captured):
     @profiled("athrown")
@@ -737,6 +862,16 @@ async def test_disabled_at_run_time_records_nothing(captured):
     assert [r.name for r in resolved(captured)] == [f.__qualname__]
 
 
+@pytest.mark.parametrize(("payload", "attribute"), [
+    (2**63 - 1, 2**63 - 1), (-(2**63), -(2**63)),
+    (2**63, "9223372036854775808"), (2**64 - 1, "18446744073709551615"),  # above OTLP's int64
+])
+def test_payload_accepts_signed_and_unsigned_64_bit(captured, payload, attribute):
+    profiled("p", payload=payload)(int)()
+    (region,) = resolved(captured)
+    assert region.attributes["perfsdk.payload"] == attribute
+
+
 # -- bad arguments ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "argument", "accepted"),
@@ -752,7 +887,8 @@ async def test_disabled_at_run_time_records_nothing(captured):
         ({"color": 2**33}, "color", "#RRGGBB"),
         ({"payload": 1.5}, "payload", "integer"),
         ({"payload": True}, "payload", "integer"),
-        ({"payload": 2**64}, "payload", "integer"),
+        ({"payload": 2**64}, "payload", "-2**63 <= payload <= 2**64 - 1"),
+        ({"payload": -(2**63) - 1}, "payload", "-2**63 <= payload <= 2**64 - 1"),
         ({"category": ""}, "category", "non-empty string"),
         ({"category": 3}, "category", "non-empty string"),
         ({"attributes": {"a": object()}}, "'a'", "str, bool, int, float"),
