@@ -7,10 +7,8 @@ fast record-function.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import re
-import struct
 import zlib
 from typing import Any
 
@@ -83,38 +81,6 @@ def _domain(name: str) -> Any:
     return _nvtx.get_domain(name)
 
 
-_INT64_MAX = 2**63 - 1
-_PAYLOAD_TYPE_UNSIGNED_INT64 = 1  # nvtxPayloadType_t (nvToolsExt.h)
-_PAYLOAD_TYPE_INT64 = 2
-_COLOR_ARGB = 1
-
-
-def _mark_unsigned(attributes: Any, color: int) -> bool:
-    """Turn the int64 payload of built event attributes into an unsigned 64-bit one.
-
-    The nvtx package (0.2.x) only sends ints as ``NVTX_PAYLOAD_TYPE_INT64`` and keeps its
-    ``nvtxEventAttributes_t`` private. The payload's bits are already right; only
-    ``payloadType`` must change. Find the struct inside the object by its exact contents
-    (color type, color, payload type, reserved word, payload: 24 bytes that must occur exactly
-    once), flip the type and read it back. Anything unexpected: False, nothing written.
-    """
-    try:
-        size = type(attributes).__basicsize__
-        raw = ctypes.string_at(id(attributes), size)
-        value = attributes.payload
-        head = struct.pack("<iIii", _COLOR_ARGB, color, _PAYLOAD_TYPE_INT64, 0)
-        pattern = head + struct.pack("<q", value)
-        at = raw.find(pattern)
-        if at < 0 or raw.find(pattern, at + 1) >= 0 or not isinstance(value, int):
-            return False
-        payload_type = ctypes.c_int32.from_address(id(attributes) + at + 8)
-        payload_type.value = _PAYLOAD_TYPE_UNSIGNED_INT64
-        return ctypes.string_at(id(attributes) + at + 8, 4) == struct.pack(
-            "<i", _PAYLOAD_TYPE_UNSIGNED_INT64)
-    except Exception:
-        return False
-
-
 class NvtxMarker:
     """A domain and pre-built event attributes; ``push``/``pop`` are the only per-call work."""
 
@@ -131,22 +97,12 @@ class NvtxMarker:
             return
         try:
             dom = _domain(domain)
-            unsigned = payload is not None and payload > _INT64_MAX
             self.attributes = dom.get_event_attributes(
                 message=message,
                 color=color,
                 category=category if category else None,
-                # The nvtx package sends an int as int64: above 2**63 - 1, pass the same 64
-                # bits (as a negative int64), then mark the payload unsigned below.
-                payload=payload - 2**64 if unsigned and payload is not None else payload,
+                payload=payload,
             )
-            if unsigned and self.attributes is not None and not _mark_unsigned(
-                    self.attributes, color):
-                warn_once("nvtx-unsigned-payload",
-                          f"perfsdk: this nvtx package cannot send the unsigned payload "
-                          f"{payload} of {message!r}; its NVTX range has no payload.")
-                self.attributes = dom.get_event_attributes(
-                    message=message, color=color, category=category if category else None)
             self.domain = dom
         except Exception as exc:
             warn_once(f"nvtx-error:{domain}:{message}",

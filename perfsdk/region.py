@@ -132,8 +132,8 @@ class RegionSpec:
         attrs.update(validate_attributes(attributes, where))
         if category:
             attrs["perfsdk.category"] = category
-        if payload is not None:  # OTLP ints are int64: a larger unsigned one goes as text
-            attrs["perfsdk.payload"] = payload if payload < 2**63 else str(payload)
+        if payload is not None:
+            attrs["perfsdk.payload"] = payload
         return cls(
             name=name,
             domain=domain,
@@ -163,10 +163,10 @@ def validate_options(
             f"{where}: category={category!r}; accepted values are None or a non-empty string"
         )
     if payload is not None and (isinstance(payload, bool) or not isinstance(payload, int)
-                                or not -(2**63) <= payload < 2**64):
+                                or not -(2**63) <= payload < 2**63):
         raise ValueError(
-            f"{where}: payload={payload!r}; accepted values are None or a 64-bit integer, "
-            "signed or unsigned: -2**63 <= payload <= 2**64 - 1"
+            f"{where}: payload={payload!r}; accepted values are None or a signed 64-bit "
+            "integer"
         )
     if not isinstance(sync, bool):
         raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")

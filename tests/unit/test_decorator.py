@@ -862,16 +862,6 @@ async def test_disabled_at_run_time_records_nothing(captured):
     assert [r.name for r in resolved(captured)] == [f.__qualname__]
 
 
-@pytest.mark.parametrize(("payload", "attribute"), [
-    (2**63 - 1, 2**63 - 1), (-(2**63), -(2**63)),
-    (2**63, "9223372036854775808"), (2**64 - 1, "18446744073709551615"),  # above OTLP's int64
-])
-def test_payload_accepts_signed_and_unsigned_64_bit(captured, payload, attribute):
-    profiled("p", payload=payload)(int)()
-    (region,) = resolved(captured)
-    assert region.attributes["perfsdk.payload"] == attribute
-
-
 # -- bad arguments ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "argument", "accepted"),
@@ -887,8 +877,7 @@ def test_payload_accepts_signed_and_unsigned_64_bit(captured, payload, attribute
         ({"color": 2**33}, "color", "#RRGGBB"),
         ({"payload": 1.5}, "payload", "integer"),
         ({"payload": True}, "payload", "integer"),
-        ({"payload": 2**64}, "payload", "-2**63 <= payload <= 2**64 - 1"),
-        ({"payload": -(2**63) - 1}, "payload", "-2**63 <= payload <= 2**64 - 1"),
+        ({"payload": 2**64}, "payload", "integer"),
         ({"category": ""}, "category", "non-empty string"),
         ({"category": 3}, "category", "non-empty string"),
         ({"attributes": {"a": object()}}, "'a'", "str, bool, int, float"),
