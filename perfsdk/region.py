@@ -166,7 +166,7 @@ def validate_options(
                                 or not -(2**63) <= payload < 2**63):
         raise ValueError(
             f"{where}: payload={payload!r}; accepted values are None or a signed 64-bit "
-            "integer"
+            "integer, -2**63 to 2**63-1 (NVTX and OTLP carry payloads as int64)"
         )
     if not isinstance(sync, bool):
         raise ValueError(f"{where}: sync={sync!r}; accepted values are True or False")

@@ -878,6 +878,8 @@ async def test_disabled_at_run_time_records_nothing(captured):
         ({"payload": 1.5}, "payload", "integer"),
         ({"payload": True}, "payload", "integer"),
         ({"payload": 2**64}, "payload", "integer"),
+        ({"payload": 2**63}, "payload", "-2**63 to 2**63-1"),
+        ({"payload": -(2**63) - 1}, "payload", "-2**63 to 2**63-1"),
         ({"category": ""}, "category", "non-empty string"),
         ({"category": 3}, "category", "non-empty string"),
         ({"attributes": {"a": object()}}, "'a'", "str, bool, int, float"),
