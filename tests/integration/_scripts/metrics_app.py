@@ -5,8 +5,8 @@ Run as ``python metrics_app.py RESULT_JSON``. It runs ``fwd`` five times, ``bwd`
 ``perfsdk.flush()`` and exits (perfsdk's exit shutdown exports once more). ``written_ns`` in the
 result is ``time.monotonic_ns()`` when it was written, so a test can time the exit alone.
 
-The script uses the MetricsSink already in perfsdk's pipeline, or adds one if perfsdk does not
-register one itself yet.
+The metrics go through the MetricsSink that perfsdk's composition root (perfsdk.lifecycle)
+registers in the pipeline.
 """
 
 import json
@@ -16,12 +16,6 @@ import time
 from pathlib import Path
 
 import perfsdk
-from perfsdk.config import get_config
-from perfsdk.export.metrics import MetricsSink
-from perfsdk.pipeline import PIPELINE
-
-if not any(isinstance(s, MetricsSink) for s in PIPELINE.sinks):
-    PIPELINE.sinks.append(MetricsSink(get_config()))
 
 host_ms: dict[str, list[float]] = {"fwd": [], "bwd": [], "explode": []}
 for name, n in (("fwd", 5), ("bwd", 3)):

@@ -12,12 +12,6 @@ import sys
 from pathlib import Path
 
 import perfsdk
-from perfsdk.config import get_config
-from perfsdk.export.metrics import MetricsSink
-from perfsdk.pipeline import PIPELINE
-
-if not any(isinstance(s, MetricsSink) for s in PIPELINE.sinks):
-    PIPELINE.sinks.append(MetricsSink(get_config()))
 
 for _ in range(3):
     with perfsdk.timed_region("parent"):

@@ -33,14 +33,12 @@ early = metrics.get_meter("app").create_counter("app.early")
 early.add(5)  # before perfsdk installed anything: the proxy drops it in the owned scenario
 
 import perfsdk  # noqa: E402
+import perfsdk.lifecycle  # noqa: E402  (the composition root registers the metrics sink)
 from perfsdk.config import get_config  # noqa: E402
 from perfsdk.export.metrics import MetricsSink  # noqa: E402
 from perfsdk.pipeline import PIPELINE  # noqa: E402
 
-sink = next((s for s in PIPELINE.sinks if isinstance(s, MetricsSink)), None)
-if sink is None:
-    sink = MetricsSink(get_config())
-    PIPELINE.sinks.append(sink)
+sink = next(s for s in PIPELINE.sinks if isinstance(s, MetricsSink))
 
 out: dict[str, Any] = {"before": {"mode": sink._mode or "undecided",
                                   "global": type(metrics.get_meter_provider()).__name__}}
