@@ -37,6 +37,7 @@ EXAMPLES = sorted(ROOT.glob("examples/*.py"))
 DOCTEST_MODULES = ("decorator", "timing", "config", "lifecycle", "testing", "sync", "bench",
                    "_progress", "optimize.amp", "optimize.backends", "optimize.channels_last",
                    "optimize.checkpoint", "optimize.dataloader", "optimize.train_step", "auto",
+                   "auto.dataloader", "auto.steps", "auto.module",
                    "advisor", "export.trace", "_patches", "optimize._marks", "distributed")
 TIMEOUT = 180
 
