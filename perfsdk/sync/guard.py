@@ -52,7 +52,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the perfsdk package
 # the detector itself and torch's stand-ins (the fake device), which count as torch
 _OURS = frozenset({__file__, _syncops.__file__, _syncdebug.__file__, warnings.__file__,
-                   functools.__file__, _HERE + "_fake_cuda.py", _HERE + "_fake_tensor.py"})
+                   functools.__file__, os.path.join(_HERE, "testing", "fake_cuda.py"),
+                   os.path.join(_HERE, "testing", "fake_tensor.py")})
 # perfsdk's own scripts, which stand for a user's script: their lines are the call sites
 _CALLERS = frozenset({_HERE + "demo.py"})
 
