@@ -55,7 +55,7 @@ _OURS = frozenset({__file__, _syncops.__file__, _syncdebug.__file__, warnings.__
                    functools.__file__, os.path.join(_HERE, "testing", "fake_cuda.py"),
                    os.path.join(_HERE, "testing", "fake_tensor.py")})
 # perfsdk's own scripts, which stand for a user's script: their lines are the call sites
-_CALLERS = frozenset({_HERE + "demo.py"})
+_CALLERS = frozenset({os.path.join(_HERE, "cli", "demo.py")})
 
 
 # torch code that reads host-side tensors by design (seeds, step counters): with assume_device
