@@ -396,8 +396,8 @@ def measure(args: argparse.Namespace) -> int:
 
     # The NVML sampler at its default interval, against perfsdk's fake NVML (this machine has
     # no GPU): perfsdk's own per-round work, not the driver's call latency.
-    from perfsdk._fake_nvml import FakeNvml
     from perfsdk.nvml import GpuSampler
+    from perfsdk.testing import FakeNvml
 
     fake_nvml = FakeNvml(1)
     sampler = GpuSampler(perfsdk.get_config().gpu_sample_interval_s or 0.1, nvml=fake_nvml,
@@ -408,7 +408,7 @@ def measure(args: argparse.Namespace) -> int:
     stats = sampler.overhead()
     args.nvml = {"interval_s": perfsdk.get_config().gpu_sample_interval_s or 0.1,
                  "rounds": stats.rounds, "cpu_s": stats.cpu_s, "wall_s": stats.wall_s,
-                 "core_fraction": stats.core_fraction, "nvml": "perfsdk._fake_nvml.FakeNvml(1)"}
+                 "core_fraction": stats.core_fraction, "nvml": "perfsdk.testing.FakeNvml(1)"}
     notes.append(f"nvml sampler: {stats.rounds} rounds in {stats.wall_s:.1f} s against the fake "
                  f"NVML (1 GPU), {stats.cpu_s * 1e3:.1f} ms of CPU: perfsdk's own work per round; "
                  "a real driver's call latency is not in it")

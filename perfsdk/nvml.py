@@ -102,14 +102,14 @@ class GpuSampler:
     Args:
         interval_s: seconds between rounds.
         nvml: the NVML bindings: nvidia-ml-py's ``pynvml`` by default, or a test's
-            :class:`perfsdk._fake_nvml.FakeNvml`.
+            :class:`perfsdk.testing.FakeNvml`.
         device_uuids: this process's GPU UUIDs in torch device order (default: from torch,
             once the application has initialized CUDA).
         history_s: how much history the ring keeps.
         clock: timestamps of samples: ``time.perf_counter_ns``, the clock of region records.
 
     Example:
-        >>> from perfsdk._fake_nvml import FakeNvml
+        >>> from perfsdk.testing import FakeNvml
         >>> fake = FakeNvml(1, step_ns=10_000_000)  # one GPU drawing 100 W; rounds 10 ms apart
         >>> sampler = GpuSampler(0.01, nvml=fake, device_uuids=fake.uuids, clock=fake.clock)
         >>> sampler.start()  # False, with one warning, where there is no NVML

@@ -37,7 +37,8 @@ EXAMPLES = sorted(ROOT.glob("examples/*.py"))
 DOCTEST_MODULES = ("decorator", "timing", "config", "lifecycle", "testing", "sync", "bench",
                    "_progress", "optimize.amp", "optimize.backends", "optimize.channels_last",
                    "optimize.checkpoint", "optimize.dataloader", "optimize.train_step", "auto",
-                   "advisor", "export.trace", "_patches", "optimize._marks", "distributed")
+                   "auto.dataloader", "auto.steps", "auto.module",
+                   "advisor", "export.trace", "cli.patches", "optimize._marks", "distributed")
 TIMEOUT = 180
 
 _FENCE_OPEN = re.compile(r"^```python(?P<flags>[ \t]+[\w -]+)?[ \t]*$")

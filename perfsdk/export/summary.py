@@ -118,7 +118,7 @@ class Summary:
     def __str__(self) -> str:
         text = render(self.rows)
         if self.sync_sites:
-            from perfsdk.sync import render as render_syncs
+            from perfsdk.sync.report import render as render_syncs
 
             text += "\n\n" + render_syncs(self.sync_sites)
         return text

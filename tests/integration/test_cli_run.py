@@ -91,7 +91,7 @@ def test_run_with_syncs_names_the_per_step_item(tmp_path) -> None:
 
 
 def test_saved_run_keeps_the_sync_sites(tmp_path) -> None:
-    from perfsdk._runfile import load_run, save_run
+    from perfsdk.cli.runfile import load_run, save_run
     from perfsdk.export.summary import Summary
     from perfsdk.sync import SyncSite
 
@@ -135,7 +135,7 @@ def test_the_scripts_exception_is_shown_and_its_exit_code_kept(tmp_path) -> None
     assert proc.stderr.startswith("Traceback (most recent call last):")
     assert f'File "{script}", line 6, in <module>' in proc.stderr
     assert "runpy" not in proc.stderr
-    assert "_cli_run" not in proc.stderr
+    assert os.path.join("perfsdk", "cli", "run.py") not in proc.stderr
     assert proc.stderr.rstrip().endswith("ValueError: boom")
     assert summary_rows(proc.stdout) == {"Linear.forward": 1}  # measured up to the error
     assert "exited with 1" in proc.stdout

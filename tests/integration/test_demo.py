@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from perfsdk import demo as demo_module
-from perfsdk.demo import KEEP_ABOVE, Setup, StoredImages, measure_fix, run_demo
+from perfsdk.cli import demo as demo_module
+from perfsdk.cli.demo import KEEP_ABOVE, Setup, StoredImages, measure_fix, run_demo
 from tests.otlp_receiver import OTLPReceiver
 
 LATENCY_MS = 20.0
@@ -37,16 +37,16 @@ LATENCY_MS = 20.0
 # result (DemoResult.as_dict()) is written to a JSON file for the tests to read.
 RUNNER = """
 import json, sys
-import perfsdk.demo
+import perfsdk.cli.demo
 from perfsdk.cli import main
 
-real, results = perfsdk.demo.run_demo, []
+real, results = perfsdk.cli.demo.run_demo, []
 
 def run_demo(*args, **kwargs):
     results.append(real(*args, **{**kwargs, "latency_ms": float(sys.argv[1])}))
     return results[-1]
 
-perfsdk.demo.run_demo = run_demo
+perfsdk.cli.demo.run_demo = run_demo
 code = main(sys.argv[3:])
 if results:
     with open(sys.argv[2], "w") as f:

@@ -116,7 +116,7 @@ def test_a_region_whose_output_got_no_gradient_closes_with_its_pass(device):
         strict=True, raises=AssertionError,
         reason="expected on a GPU: the engine's device thread does not see the caller's "
                "current region (contextvars are per thread), so the backward regions start a "
-               "trace of their own; remove this mark once perfsdk/_auto_backward.py carries "
+               "trace of their own; remove this mark once perfsdk/auto/backward.py carries "
                "the caller's context over")]),
 ])
 def test_backward_regions_nest_under_the_region_that_called_backward(device):

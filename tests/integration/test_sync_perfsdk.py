@@ -25,11 +25,11 @@ from torch import nn
 
 import perfsdk
 from perfsdk import no_sync_guard
-from perfsdk._fake_nvml import FakeGpu, FakeNvml
 from perfsdk.config import configure
 from perfsdk.gpu import TELEMETRY
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import FakeCuda, capture
+from perfsdk.testing.fake_nvml import FakeGpu, FakeNvml
 from tests.waiting import wait_until
 
 PERFSDK_DIR = os.path.dirname(perfsdk.__file__) + os.sep

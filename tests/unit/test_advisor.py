@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, Dataset
 import perfsdk
 import perfsdk.optimize
 from perfsdk import advisor, timed_region
-from perfsdk._syncops import OPS
 from perfsdk.advisor import Advice, Finding, advise
 from perfsdk.record import RegionResult
+from perfsdk.sync.ops import OPS
 from perfsdk.testing import FakeClock, capture, use_fake_clock
 
 MiB = 2**20

@@ -169,13 +169,13 @@ def test_a_program_importing_only_submodules_still_gets_the_summary_and_trace(tm
     ("--epochs", False), ("--passes", False), ("--author", False), ("--key", False),
 ])
 def test_secret_names(name, secret):
-    from perfsdk._runfile import is_secret_name
+    from perfsdk.cli.runfile import is_secret_name
 
     assert is_secret_name(name) is secret
 
 
 def test_redact_command():
-    from perfsdk._runfile import REDACTED, redact_command
+    from perfsdk.cli.runfile import REDACTED, redact_command
 
     command = ["train.py", "--password=hunter2", "--token", "abc", "--api-key", "-k3y",
                "HF_TOKEN=hf_x", "--db", "postgres://me:pw1@db:5432/x", "--tokenizer", "gpt2",

@@ -7,11 +7,11 @@ import pytest
 
 import perfsdk
 from perfsdk import errors
-from perfsdk._fake_nvml import FakeGpu, FakeNvml
 from perfsdk.config import configure
 from perfsdk.gpu import TELEMETRY
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import FakeClock, capture, use_fake_clock
+from perfsdk.testing.fake_nvml import FakeGpu, FakeNvml
 from tests.waiting import one_pipeline_round, wait_until
 
 

@@ -22,9 +22,9 @@ import pytest
 
 import perfsdk.nvml
 from perfsdk import errors
-from perfsdk._fake_nvml import FUNCTIONS, FakeGpu, FakeNvml, NVMLError_NotSupported
 from perfsdk.errors import PerfSDKWarning
 from perfsdk.nvml import GpuSampler
+from perfsdk.testing.fake_nvml import FUNCTIONS, FakeGpu, FakeNvml, NVMLError_NotSupported
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -473,7 +473,7 @@ def test_overhead_reports_cpu_time_and_rounds(make):
 def test_fork_child_has_a_stopped_sampler_that_can_start_again():
     code = textwrap.dedent("""
         import os, time
-        from perfsdk._fake_nvml import FakeNvml
+        from perfsdk.testing.fake_nvml import FakeNvml
         from perfsdk.nvml import GpuSampler
 
         def wait(s, n):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from perfsdk._patches import RunPatches
+from perfsdk.cli.patches import RunPatches
 from perfsdk.testing import capture
 
 

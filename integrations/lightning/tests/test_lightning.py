@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import perfsdk
 import perfsdk_lightning
-from perfsdk._runfile import RunRecorder
 from perfsdk.auto import STEPS
+from perfsdk.cli.runfile import RunRecorder
 from perfsdk.context import current_span
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult

@@ -25,7 +25,7 @@ from transformers import (
 
 import perfsdk
 import perfsdk_transformers
-from perfsdk._runfile import RunRecorder
+from perfsdk.cli.runfile import RunRecorder
 from perfsdk.pipeline import PIPELINE
 from perfsdk.region import Region
 from perfsdk.testing import Capture, capture

@@ -41,10 +41,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from perfsdk._cli_run import print_report
-from perfsdk._runfile import RunRecorder
 from perfsdk.auto import STEPS
 from perfsdk.auto import Step as _Step
+from perfsdk.cli.run import print_report
+from perfsdk.cli.runfile import RunRecorder
 from perfsdk.config import get_config
 from perfsdk.config import state as _state
 from perfsdk.errors import warn_once

@@ -44,9 +44,9 @@ from typing import Any, TypeVar
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import perfsdk
-from perfsdk._cli_run import print_report
-from perfsdk._runfile import RunRecorder
 from perfsdk.auto import STEPS
+from perfsdk.cli.run import print_report
+from perfsdk.cli.runfile import RunRecorder
 from perfsdk.errors import warn_once
 
 __all__ = ["PerfsdkCallback"]

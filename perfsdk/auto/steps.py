@@ -28,7 +28,9 @@ from perfsdk import config as _config
 from perfsdk.distributed import step_trace_id
 from perfsdk.region import Region, RegionSpec, now_ns
 
-__all__ = ["PHASES", "Schedule", "Step", "StepListener", "Steps", "autocast_dtype", "schedule"]
+__all__ = [
+    "PHASES", "STEPS", "Schedule", "Step", "StepListener", "Steps", "autocast_dtype", "schedule",
+]
 
 PHASES = ("wait", "warmup", "active", "done")
 """What :meth:`Schedule.phase` returns; only ``active`` steps are recorded."""
@@ -272,3 +274,8 @@ def _notify(fn: Any, index: int) -> None:
 
         warn_once(f"step-listener:{type(exc).__name__}",
                   f"perfsdk: a step listener failed ({exc!r}); the loop goes on")
+
+
+STEPS = Steps()
+"""The process-wide step boundaries behind :func:`perfsdk.auto.step`, :func:`perfsdk.auto.capture`
+and :func:`perfsdk.auto.torch_profile`."""

@@ -1,7 +1,7 @@
 """``perfsdk run SCRIPT [ARGS...]`` and ``perfsdk report DIR``.
 
 ``run`` executes an unmodified script as ``python SCRIPT ARGS`` would (``sys.argv``,
-``sys.path[0]``, ``__name__ == "__main__"``) with :class:`~perfsdk._patches.RunPatches`
+``sys.path[0]``, ``__name__ == "__main__"``) with :class:`~perfsdk.cli.patches.RunPatches`
 installed, so its DataLoader iteration, forward, backward and optimizer steps become regions;
 then prints the summary and the advisor's findings, and keeps the run in the output directory:
 the Perfetto trace, the spans (JSON lines) and ``run.json``, which ``report`` renders again.
@@ -23,9 +23,9 @@ from typing import Any, TextIO
 
 import perfsdk
 from perfsdk import _device
-from perfsdk._patches import RunPatches
-from perfsdk._runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
 from perfsdk.advisor import Advice, advise
+from perfsdk.cli.patches import RunPatches
+from perfsdk.cli.runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
 from perfsdk.config import _OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
 

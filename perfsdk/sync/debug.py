@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from perfsdk import _device, _syncops
+from perfsdk import _device
 from perfsdk.errors import warn_once
+from perfsdk.sync import ops as _syncops
 
 __all__ = ["DEBUG_MESSAGE", "SHARED"]
 

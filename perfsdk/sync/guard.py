@@ -2,26 +2,16 @@
 
 A guard applies to its own context only (the thread, or the asyncio task, that entered it),
 nests, and restores what was there before, also on exceptions. It watches tensor operations
-with two torch modes pushed on the entering thread (see :mod:`perfsdk._syncops`), wraps the
+with two torch modes pushed on the entering thread (see :mod:`perfsdk.sync.ops`), wraps the
 explicit ``synchronize`` calls while any guard is open, and, where the application runs CUDA,
 turns on torch's own sync debug mode with its warnings routed to the guard of the context they
 come from (and swallowed elsewhere).
-
-Example:
-    >>> import torch
-    >>> from perfsdk import no_sync_guard
-    >>> with no_sync_guard("count", assume_device=True) as guard:
-    ...     loss = torch.ones(3).sum()
-    ...     value = loss.item()
-    >>> guard.report.total, guard.report.sites[0].op
-    (1, 'item')
 """
 
 from __future__ import annotations
 
 import collections
 import contextvars
-import dataclasses
 import fnmatch
 import functools
 import inspect
@@ -36,16 +26,17 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
-from perfsdk import _syncdebug, _syncops
 from perfsdk import config as _config
 from perfsdk import context as _ctx
 from perfsdk.clocks import epoch_ns
 from perfsdk.config import state as _state
 from perfsdk.errors import SyncError, SyncWarning, warn_once
 from perfsdk.region import Region, now_ns
+from perfsdk.sync import debug as _syncdebug
+from perfsdk.sync import ops as _syncops
+from perfsdk.sync.report import MAX_OUTSIDE_TIMES, SyncReport, SyncSite, short_path, short_via
 
-__all__ = ["MAX_OUTSIDE_TIMES", "MAX_SPAN_SITES", "OPS", "SyncError", "SyncReport", "SyncSite",
-           "SyncWarning", "no_sync_guard", "short_path", "sites"]
+__all__ = ["MAX_SPAN_SITES", "MODES", "OPS", "Mode", "no_sync_guard", "reset", "sites"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -54,107 +45,17 @@ MODES = ("warn", "error", "count", "off")
 OPS = _syncops.OPS
 MAX_SPAN_SITES = 16
 """Call sites listed per region (``perfsdk.sync_sites``); ``perfsdk.syncs`` counts them all."""
-MAX_OUTSIDE_TIMES = 1024
-"""Times kept per call site of the latest syncs outside any recorded region
-(:attr:`SyncSite.outside_ns`); :attr:`SyncSite.outside` counts them all."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncSite:
-    """One call site: the user's ``file:line`` (the first frame outside torch and perfsdk), the
-    kind of sync (a key of :data:`OPS`), the operator that synchronized, and how often."""
-
-    file: str
-    line: int
-    op: str
-    operator: str
-    count: int
-    code: str = ""
-    via: str = ""
-    """``file:line`` in perfsdk through which the sync happened, when it was perfsdk's code
-    that synchronized on the user's behalf (``TrainStep.loss_history()``); else empty."""
-    outside: int = 0
-    """How many of ``count`` happened outside any recorded region."""
-    outside_ns: tuple[int, ...] = ()
-    """When those happened (wall-clock ns since the epoch, the clock of region start and end
-    times), the latest :data:`MAX_OUTSIDE_TIMES`, oldest first: how the advisor tells the syncs of
-    the run it is given from other runs' (skipped steps, whose regions are not recorded, leave
-    no time)."""
-
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    @property
-    def label(self) -> str:
-        """``"file:line op"`` with the file relative to the working directory, as regions list
-        their sites in ``perfsdk.sync_sites``."""
-        return f"{short_path(self.file)}:{self.line} {self.op}"
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncReport:
-    """What a guard saw: per call site, most frequent first, and the totals."""
-
-    sites: tuple[SyncSite, ...]
-    allowed: int = 0
-
-    @property
-    def total(self) -> int:
-        return sum(site.count for site in self.sites)
-
-    def as_dicts(self) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(site) for site in self.sites]
-
-    def __str__(self) -> str:
-        return render(self.sites, allowed=self.allowed)
-
-
-def render(sites: Iterable[SyncSite], *, allowed: int = 0) -> str:
-    rows = list(sites)
-    total = sum(site.count for site in rows)
-    head = (f"host-device syncs: {total:,} at {len(rows)} call site"
-            f"{'' if len(rows) == 1 else 's'}")
-    if allowed:
-        head += f" ({allowed:,} more allowed)"
-    if not rows:
-        return head
-    count_w = max(5, *(len(f"{s.count:,}") for s in rows))
-    op_w = max(2, *(len(s.op) for s in rows))
-    wheres = [f"{short_path(s.file)}:{s.line}" for s in rows]
-    where_w = max(5, *(len(w) for w in wheres))
-    lines = [head, f"{'count':>{count_w}}  {'op':<{op_w}}  where"]
-    for s, where in zip(rows, wheres, strict=True):
-        text = f"{s.count:>{count_w},}  {s.op:<{op_w}}  {where:<{where_w}}"
-        code = s.code + (f"  (in perfsdk at {_short_via(s.via)})" if s.via else "")
-        lines.append(f"{text}  | {code}" if code else text.rstrip())
-    return "\n".join(lines)
-
-
-def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it is below it, else as it is."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
-
-
-def _short_via(via: str) -> str:
-    """``perfsdk/optimize/train_step.py:222`` for a ``file:line`` inside the package."""
-    root = os.path.dirname(_HERE.rstrip(os.sep)) + os.sep
-    return via[len(root):] if via.startswith(root) else via
 
 
 # -- where a sync came from ---------------------------------------------------------------------
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_HERE = os.path.dirname(__file__) + os.sep
+_HERE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the perfsdk package
 # the detector itself and torch's stand-ins (the fake device), which count as torch
 _OURS = frozenset({__file__, _syncops.__file__, _syncdebug.__file__, warnings.__file__,
-                   functools.__file__,
-                   _HERE + "testing.py", _HERE + "_fake_cuda.py", _HERE + "_fake_tensor.py"})
+                   functools.__file__, os.path.join(_HERE, "testing", "fake_cuda.py"),
+                   os.path.join(_HERE, "testing", "fake_tensor.py")})
 # perfsdk's own scripts, which stand for a user's script: their lines are the call sites
-_CALLERS = frozenset({_HERE + "demo.py"})
+_CALLERS = frozenset({os.path.join(_HERE, "cli", "demo.py")})
 
 
 # torch code that reads host-side tensors by design (seeds, step counters): with assume_device
@@ -331,7 +232,7 @@ def _message(label: str, operator: str, file: str, line: int, code: str, via: st
     if code:
         text += f": {code}"
     if via:
-        text += f" (in perfsdk at {_short_via(via)})"
+        text += f" (in perfsdk at {short_via(via)})"
     text += f". Fix: {OPS.get(label, '')}."
     if raised_by:
         text += f" Raised by {raised_by}; allow it with allow=({label!r},) or ({where!r},)."

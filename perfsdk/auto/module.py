@@ -4,7 +4,7 @@ Forward: a forward pre-hook enters the module's region and a forward hook regist
 ``always_call=True`` exits it, so the region closes also when ``forward`` raises. Open regions
 sit on a per-thread stack; a hook exits only the region its own pre-hook opened.
 
-Backward: see :mod:`perfsdk._auto_backward` (autograd node hooks, no tensor is wrapped).
+Backward: see :mod:`perfsdk.auto.backward` (autograd node hooks, no tensor is wrapped).
 
 Transformer fast path: ``nn.TransformerEncoderLayer`` takes its fused inference kernel
 (``aten::_transformer_encoder_layer_fwd``) only while no forward hook is attached to it or to any
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from perfsdk import _auto_backward as _bwd
-from perfsdk._auto_steps import autocast_dtype
+from perfsdk.auto import backward as _bwd
+from perfsdk.auto.steps import autocast_dtype
 from perfsdk.config import state as _state
 from perfsdk.errors import warn_once
 from perfsdk.region import Region, RegionSpec

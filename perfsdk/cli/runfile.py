@@ -26,7 +26,7 @@ from perfsdk.errors import warn_once
 from perfsdk.export.summary import RegionStats, Summary, SummarySink
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
-from perfsdk.sync import SyncSite
+from perfsdk.sync.report import SyncSite
 
 __all__ = ["REDACTED", "RUN_FILE", "RunRecorder", "SavedRun", "is_secret_name", "load_run",
            "redact_command", "save_run"]

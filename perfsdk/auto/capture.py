@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from perfsdk import _device
-from perfsdk._auto_steps import Steps
+from perfsdk.auto.steps import STEPS, Steps
 from perfsdk.config import get_config
 from perfsdk.errors import NoEffectWarning, warn_once
 
@@ -45,8 +45,6 @@ class _Range:
     """A window of steps on a :class:`Steps`; detaches itself after the last step."""
 
     def __init__(self, where: str, steps: Any, tracker: Steps | None) -> None:
-        from perfsdk.auto import STEPS
-
         self.steps = step_range(where, steps)
         self.tracker = tracker if tracker is not None else STEPS
         if not isinstance(self.tracker, Steps):

@@ -1,47 +1,6 @@
-"""The bottleneck advisor: reads a run's regions and names what to fix first, and how.
-
-:func:`advise` applies deterministic rules, in the order of the optimization loop the course
-material teaches (profile, find the bottleneck, apply the matching fix, measure again):
-
-- ``data``: ``data_wait`` regions take more than :data:`DATA_SHARE` of the loop time;
-  fix ``perfsdk.optimize.tune_dataloader(loader.dataset, loader.batch_size)``.
-- ``sync``: the steps' regions carry ``perfsdk.syncs``, at least :data:`SYNCS_PER_STEP` per
-  step (syncs outside the steps are reported as such, never divided by the steps); fix
-  ``perfsdk.configure(sync_guard="error")`` and the fix for each call site.
-- ``launch`` (only with device times): host time at least :data:`LAUNCH_HOST_DEVICE_RATIO`
-  times device time, or GPU utilization below :data:`LAUNCH_UTILIZATION` with short steps;
-  fix ``perfsdk.optimize.optimize(model, inputs, compile=True)`` / ``apply_cuda_graphs``.
-- ``memory``: a peak above :data:`MEMORY_PRESSURE` of ``device_memory_bytes``, or an
-  out-of-memory error; fix ``apply_checkpointing``, AMP, a smaller batch.
-- ``compute``: none of data, sync, launch, and forward/backward take at least
-  :data:`COMPUTE_SHARE`; fix ``perfsdk.optimize.optimize(model, inputs, auto=True)``, which
-  measures AMP, compile and channels-last on this machine.
-
-Findings are ordered by their estimated impact (the share of the loop time at stake). The first
-step is left out as warm-up when there are at least :data:`WARMUP_MIN_STEPS`. A fix the regions
-say is already on (``perfsdk.amp``, ``perfsdk.transforms``: autocast, compile, channels-last,
-checkpointing, CUDA graphs) is not recommended again; the finding says it is on. Every fix is a
-statement that runs as printed, given ``perfsdk``, ``torch`` and :data:`NAMES` (``model``,
-``inputs``, ``loader``, ``optimizer``, ``loss_fn``), or a ``#`` comment. What a rule could not
-check (no steps, no device times, no memory records) is listed in ``notes``. See
-docs/advisor.md.
-
-Example (on a fake clock, so the numbers are exact; a real loop reads the real one):
-    >>> import perfsdk
-    >>> from perfsdk.advisor import advise
-    >>> from perfsdk.testing import capture, use_fake_clock
-    >>> with use_fake_clock() as clock, capture() as cap:
-    ...     for i in range(3):
-    ...         with perfsdk.timed_region("data_wait", category="data"):
-    ...             clock.advance(20)  # a slow dataset: 20 ms a batch
-    ...         with perfsdk.timed_region("step", category="step"):
-    ...             clock.advance(1)
-    >>> advice = advise(cap.regions)
-    >>> advice.findings[0].kind, round(advice.findings[0].impact, 2)
-    ('data', 0.95)
-    >>> advice.findings[0].fix
-    'tuning = perfsdk.optimize.tune_dataloader(loader.dataset, loader.batch_size)'
-"""
+""":func:`advise` and the :class:`Advice` it returns: runs the rules of
+:mod:`perfsdk.advisor.rules` over a run's regions and renders what they found (see
+:mod:`perfsdk.advisor`)."""
 
 from __future__ import annotations
 
@@ -50,35 +9,11 @@ import textwrap
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from perfsdk._advisor_rules import (
-    COMPUTE_SHARE,
-    DATA_SHARE,
-    LAUNCH_HOST_DEVICE_RATIO,
-    LAUNCH_MIN_IMPACT,
-    LAUNCH_SHORT_STEP_MS,
-    LAUNCH_UTILIZATION,
-    MEMORY_PRESSURE,
-    MEMORY_WEIGHT,
-    NAMES,
-    RULES,
-    SYNC_MIN_IMPACT,
-    SYNC_STALL_MS,
-    SYNCS_PER_STEP,
-    WARMUP_MIN_STEPS,
-    WARMUP_STEPS,
-    Finding,
-    Run,
-    compute_rule,
-)
+from perfsdk.advisor.rules import RULES, Finding, Run, compute_rule
 from perfsdk.export.summary import Summary
 from perfsdk.record import RegionResult
 
-__all__ = [
-    "COMPUTE_SHARE", "DATA_SHARE", "KINDS", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
-    "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT", "NAMES",
-    "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
-    "Advice", "Finding", "advise",
-]
+__all__ = ["KINDS", "Advice", "advise"]
 
 KINDS = ("data", "sync", "launch", "memory", "compute")
 """Finding kinds, in the order that breaks ties of impact."""

@@ -38,7 +38,8 @@ import wrapt
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from perfsdk.auto import STEPS, _DataWaitIterator
+from perfsdk.auto.dataloader import DataWaitIterator
+from perfsdk.auto.steps import STEPS
 from perfsdk.timing import timed_region
 
 __all__ = ["RunPatches"]
@@ -60,7 +61,7 @@ class _Batches:
     _perfsdk_data_wait = True  # instrument_dataloader(loader) over it adds no second wait
 
     def __init__(self, inner: Iterator[Any], length: int | None) -> None:
-        self._inner = _DataWaitIterator(inner, length)
+        self._inner = DataWaitIterator(inner, length)
         self._length = length
         self._seen = 0
 

@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from perfsdk._syncops import OPS
 from perfsdk.record import RegionResult
+from perfsdk.sync.ops import OPS
 
 __all__ = [
     "COMPUTE_SHARE", "DATA_SHARE", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",

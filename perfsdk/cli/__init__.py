@@ -153,8 +153,8 @@ def _demo(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _fail("demo", f"--exporter: {exc}")
     _import_torch()
-    from perfsdk._cli_run import check_output_dir, default_exporters
-    from perfsdk.demo import run_demo
+    from perfsdk.cli.demo import run_demo
+    from perfsdk.cli.run import check_output_dir, default_exporters
 
     directory = Path(args.output_dir or get_config().output_dir)
     problem = check_output_dir(directory)
@@ -173,7 +173,7 @@ def _run(args: argparse.Namespace, usage_error: Callable[[str], NoReturn]) -> in
     if not Path(args.script).is_file():
         return _fail("run", f"{args.script}: no such file")
     _import_torch()
-    from perfsdk._cli_run import run_script
+    from perfsdk.cli.run import run_script
 
     return run_script(args.script, args.args, output_dir=args.output_dir, out=sys.stdout,
                       err=sys.stderr, syncs=args.syncs)
@@ -184,7 +184,7 @@ def _report(args: argparse.Namespace) -> int:
         return _fail("report", f"{args.directory}: no such directory (the output directory of "
                                "`perfsdk run` or `perfsdk demo`, see their --output-dir)")
     _import_torch()
-    from perfsdk._cli_run import report
+    from perfsdk.cli.run import report
 
     return report(args.directory, out=sys.stdout, err=sys.stderr)
 

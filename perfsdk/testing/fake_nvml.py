@@ -19,7 +19,7 @@ Example:
     >>> fake.nvmlDeviceGetPowerUsage(h)
     Traceback (most recent call last):
     ...
-    perfsdk._fake_nvml.NVMLError_Unknown: Unknown Error
+    perfsdk.testing.fake_nvml.NVMLError_Unknown: Unknown Error
 """
 
 from __future__ import annotations
