@@ -265,6 +265,8 @@ def _sync(fn: Callable[..., Any], spec: RegionSpec) -> Any:
         if not _state.enabled or _is_compiling():
             return fn(*args, **kwargs)
         region = open_()
+        if region is NULL_REGION:  # sampled out: no try, no exit call
+            return fn(*args, **kwargs)
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
