@@ -75,7 +75,8 @@ Default ``./perfsdk-output``; created on first write."""
 
 PERFSDK_SAMPLE_EVERY: Final = "PERFSDK_SAMPLE_EVERY"
 """Record every N-th call of each decorated function or region (an integer >= 1). Default ``1``.
-An explicit ``every=`` on ``@profiled`` wins."""
+An explicit ``every=`` on ``@profiled`` wins. With ``PERFSDK_TIMING=0`` the same entries are the
+ones that emit NVTX ranges."""
 
 PERFSDK_NVTX: Final = "PERFSDK_NVTX"
 """Emit NVTX ranges: ``1``/``0``. Default ``1``. NVTX costs ~60 ns a range when no tool is

@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-import itertools
 import linecache
 import re
 import sys
@@ -24,7 +23,7 @@ import torch
 from typing_extensions import ParamSpec
 
 from perfsdk.config import state as _state
-from perfsdk.region import Region, RegionSpec, validate_attributes, validate_options
+from perfsdk.region import NULL_REGION, RegionSpec, validate_attributes, validate_options
 
 __all__ = ["Profiler", "profiled"]
 
@@ -243,10 +242,10 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
         name, domain=opts.domain, color=opts.color, category=opts.category,
         payload=opts.payload, attributes=opts.attributes, code=_code_attributes(fn),
         sync=opts.sync, asynchronous=kind in ("async", "asyncgen"), memory=opts.memory,
-        where="profiled",
+        every=opts.every, where="profiled",
     )
     maker = {"sync": _sync, "async": _async, "gen": _gen, "asyncgen": _asyncgen}[kind]
-    wrapper = maker(fn, spec, opts.every, itertools.count())
+    wrapper = maker(fn, spec)
     try:
         functools.update_wrapper(wrapper, fn)
     except (AttributeError, TypeError):  # callables without the usual attributes
@@ -255,26 +254,19 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
     return wrapper
 
 
-def _sync(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
-          counter: itertools.count[int]) -> Any:
-    domain, attributes = spec.nvtx.domain, spec.nvtx.attributes
+# The wrappers: the gate (spec.open) decides and enters; each wrapper only exits what it got,
+# also on exceptions. A call of a disabled perfsdk costs the one flag test before the gate.
+
+
+def _sync(fn: Callable[..., Any], spec: RegionSpec) -> Any:
+    open_ = spec.open
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _state.enabled or _is_compiling():
             return fn(*args, **kwargs)
-        if not _state.timing:  # NVTX-only: push, call, pop; nothing else
-            if domain is None or not _state.nvtx:
-                return fn(*args, **kwargs)
-            domain.push_range(attributes)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                domain.pop_range()
-        n = every or _state.sample_every
-        if n != 1 and next(counter) % n:
+        region = open_()
+        if region is NULL_REGION:  # sampled out: no try, no exit call
             return fn(*args, **kwargs)
-        region = Region(spec)
-        region.enter()
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
@@ -286,16 +278,13 @@ def _sync(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
     return wrapper
 
 
-def _async(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
-           counter: itertools.count[int]) -> Any:
+def _async(fn: Callable[..., Any], spec: RegionSpec) -> Any:
+    open_ = spec.open
+
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _state.enabled:
             return await fn(*args, **kwargs)
-        n = every or _state.sample_every
-        if n != 1 and next(counter) % n:
-            return await fn(*args, **kwargs)
-        region = Region(spec)
-        region.enter()
+        region = open_()
         try:
             result = await fn(*args, **kwargs)
         except BaseException as exc:
@@ -307,18 +296,17 @@ def _async(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
     return wrapper
 
 
-def _gen(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
-         counter: itertools.count[int]) -> Any:
+def _gen(fn: Callable[..., Any], spec: RegionSpec) -> Any:
+    enter = spec.enter
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         gen = fn(*args, **kwargs)
-        n = every or _state.sample_every
-        if not _state.enabled or (n != 1 and next(counter) % n):
+        region = spec.open()  # one decision per call; one region per resumption
+        if region is NULL_REGION:
             return (yield from gen)
         method: Any = gen.send
         value: Any = None
         while True:
-            region = Region(spec)
-            region.enter()
             try:
                 item = method(value)
             except StopIteration as stop:
@@ -336,35 +324,31 @@ def _gen(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
                 raise
             except BaseException as exc:
                 method, value = gen.throw, exc
+            region = enter()
 
     return wrapper
 
 
-def _asyncgen(fn: Callable[..., Any], spec: RegionSpec, every: int | None,
-              counter: itertools.count[int]) -> Any:
+def _asyncgen(fn: Callable[..., Any], spec: RegionSpec) -> Any:
+    enter = spec.enter
+
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         agen = fn(*args, **kwargs)
-        n = every or _state.sample_every
-        skip = not _state.enabled or (n != 1 and next(counter) % n)
+        skip = not spec.sampled()  # one decision per call; one region per resumption
         method: Any = agen.asend
         value: Any = None
         closing = False  # resuming only to pass a cancellation in: not a measured resumption
         while True:
-            region = None if skip or closing else Region(spec)
-            if region is not None:
-                region.enter()
+            region = NULL_REGION if skip or closing else enter()
             try:
                 item = await method(value)
             except StopAsyncIteration:
-                if region is not None:
-                    region.exit(None)
+                region.exit(None)
                 return
             except BaseException as exc:
-                if region is not None:
-                    region.exit(exc)
+                region.exit(exc)
                 raise
-            if region is not None:
-                region.exit(None)
+            region.exit(None)
             try:
                 value = yield item
                 method, closing = agen.asend, False

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import torch
 from typing_extensions import ParamSpec
 
-from perfsdk.config import state as _state
 from perfsdk.context import current_span as _current_span
 from perfsdk.decorator import Profiler
 from perfsdk.region import Region, RegionSpec, validate_attributes, validate_options
@@ -99,11 +98,9 @@ class timed_region:
         return self._enter(self._spec)
 
     def _enter(self, spec: RegionSpec) -> Region:
-        region = Region(spec, dict(self._attributes) if self._attributes else None)
-        if _state.enabled:
-            n = _state.sample_every
-            if n == 1 or not next(spec.calls) % n:
-                region.enter()
+        # The gate, in its handle form: a skipped block's handle is a Region of its own (never
+        # the shared null region), so it still has its name, attributes and result().
+        region = spec.open_handle(dict(self._attributes) if self._attributes else None)
         self._active.append(region)
         return region
 

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from perfsdk.config import state as _state
-from perfsdk.region import Region, RegionSpec
+from perfsdk.region import NULL_REGION, RegionSpec
 
 __all__ = ["close_stale", "forward_done", "input_nodes", "track"]
 
@@ -86,17 +85,17 @@ class _Call:
         self.entry: list[Any] | None = None
 
     def start(self, grad_outputs: Any) -> None:
-        if self.entry is not None or not _state.enabled:
+        if self.entry is not None:
             return
-        stack = _stack()
+        region = self.spec.open()  # the spec has every=1: the forward call was the sample
+        if region is NULL_REGION:
+            return
         task = _task_id()
         if getattr(_tls, "task", None) != task:  # first backward region of this pass here
             _tls.task = task
             _queue_callback(_end_of_pass)
-        region = Region(self.spec)
-        region.enter()
         self.entry = [region, False, task]
-        stack.append(self.entry)
+        _stack().append(self.entry)
 
     def end(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.left -= 1

@@ -39,7 +39,7 @@ from perfsdk.auto import backward as _bwd
 from perfsdk.auto.steps import autocast_dtype
 from perfsdk.config import state as _state
 from perfsdk.errors import warn_once
-from perfsdk.region import Region, RegionSpec
+from perfsdk.region import RegionSpec
 
 __all__ = ["FAST_PATH_TYPES", "ModuleInstrumentation", "instrument_module"]
 
@@ -58,9 +58,11 @@ Pattern = str | type[nn.Module]
 @functools.lru_cache(maxsize=8192)
 def _spec(name: str, category: str, path: str, state: tuple[tuple[str, Any], ...] = ()
           ) -> RegionSpec:
+    backward = category == "module.backward"  # entered only for a recorded forward call
     return RegionSpec.create(name, category=category,
                              attributes={"perfsdk.module": path, **dict(state)},
-                             asynchronous=category == "module.backward", where="instrument_module")
+                             asynchronous=backward, every=1 if backward else None,
+                             where="instrument_module")
 
 
 def _stack() -> list[tuple[Any, Any, Any]]:
@@ -86,14 +88,13 @@ class _Probe:
     def enter(self, args: Any, kwargs: Any) -> None:
         if not _state.enabled:
             return
-        n = _state.sample_every
-        if n != 1 and next(self.spec.calls) % n:
+        spec = self.spec
+        if not spec.sampled():
             return
-        if self.root:
+        if self.root:  # before entering: stale backward regions sit below the new one
             _bwd.close_stale()
         boundary = _bwd.input_nodes(args, kwargs) if self.backward and _grad_enabled() else None
-        region = Region(self.spec)
-        region.enter()
+        region = spec.enter()
         if self.root:
             amp = autocast_dtype()
             if amp is not None:  # the model runs under the caller's autocast

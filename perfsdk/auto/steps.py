@@ -118,7 +118,7 @@ def autocast_dtype() -> str | None:
 
 @functools.cache
 def _step_spec() -> RegionSpec:
-    return RegionSpec.create("step", category="step", where="step")
+    return RegionSpec.create("step", category="step", every=1, where="step")
 
 
 class Step:
@@ -227,8 +227,7 @@ class Steps:
             amp = autocast_dtype()
             if amp is not None:  # the step runs under autocast (the advisor: "already on")
                 attrs["perfsdk.amp"] = amp
-            region = Region(_step_spec(), attrs)
-            region.enter()
+            region = _step_spec().open_handle(attrs)  # every=1: steps are not sampled
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
                 shared = step_trace_id(index)
                 if shared is not None:
