@@ -15,7 +15,8 @@ import nox
 ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"  # the CPU build; naming it first keeps pip from pulling a CUDA build
 
-nox.options.sessions = ["lint", "typecheck", "tests", "integrations", "examples"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integrations", "integration_template",
+                        "examples"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -38,6 +39,14 @@ def integrations(session: nox.Session, name: str) -> None:
     install(session)
     session.install("-e", f"integrations/{name}[test]")
     session.run("python", "-m", "pytest", f"integrations/{name}/tests", *session.posargs)
+
+
+@nox.session
+def integration_template(session: nox.Session) -> None:
+    """The skeleton in integrations/_template (copy it to start an integration), from source."""
+    install(session)
+    session.run("python", "-m", "pytest", "integrations/_template/tests", *session.posargs,
+                env={"PYTHONPATH": str(ROOT / "integrations" / "_template" / "src")})
 
 
 @nox.session

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from perfsdk.export.summary import RegionStats, Summary
     from perfsdk.export.trace import write_trace
+    from perfsdk.instrumentor import instrument_all
     from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
     from perfsdk.region import Region, RegionResult
     from perfsdk.sync import SyncReport, SyncSite, no_sync_guard
@@ -62,6 +63,7 @@ __all__ = (
     "distributed",
     "flush",
     "get_config",
+    "instrument_all",
     "instrument_dataloader",
     "instrument_module",
     "no_sync_guard",
@@ -87,6 +89,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                        "PerfSDKWarning", "SyncError", "SyncWarning"),
     "perfsdk.export.summary": ("RegionStats", "Summary"),
     "perfsdk.export.trace": ("write_trace",),
+    "perfsdk.instrumentor": ("instrument_all",),
     "perfsdk.lifecycle": ("diagnostics", "flush", "shutdown", "summary"),
     "perfsdk.region": ("Region", "RegionResult"),
     "perfsdk.sync": ("SyncReport", "SyncSite", "no_sync_guard"),

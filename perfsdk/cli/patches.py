@@ -40,6 +40,8 @@ from torch.utils._pytree import tree_leaves
 
 from perfsdk.auto.dataloader import DataWaitIterator
 from perfsdk.auto.steps import STEPS
+from perfsdk.context import current_span
+from perfsdk.region import Region
 from perfsdk.timing import timed_region
 
 __all__ = ["RunPatches"]
@@ -130,7 +132,8 @@ class RunPatches:
         loader = torch.utils.data.DataLoader
         self._patch(loader, "__iter__", wrapt.FunctionWrapper(loader.__iter__, _iter_wrapper))
         self._patch(torch.Tensor, "backward",
-                    wrapt.FunctionWrapper(torch.Tensor.backward, _region_wrapper(_BACKWARD)))
+                    wrapt.FunctionWrapper(torch.Tensor.backward,
+                                          _region_wrapper(_BACKWARD, "backward")))
         self._patch(torch.optim.Optimizer, "__init__",
                     wrapt.FunctionWrapper(torch.optim.Optimizer.__init__, self._init_wrapper))
         original_call = nn.Module.__call__
@@ -162,7 +165,8 @@ class RunPatches:
         with _lock:
             if cls not in self._wrapped_steps and "step" in cls.__dict__:
                 self._wrapped_steps.add(cls)
-                step = wrapt.FunctionWrapper(cls.__dict__["step"], _region_wrapper(_OPTIMIZER))
+                step = wrapt.FunctionWrapper(cls.__dict__["step"],
+                                             _region_wrapper(_OPTIMIZER, "optimizer"))
                 self._patch(cls, "step", step)
         return result
 
@@ -183,16 +187,18 @@ def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     return _Batches(iter(wrapped(*args, **kwargs)), length)
 
 
-def _region_wrapper(region: timed_region) -> Callable[..., Any]:
-    """A wrapt wrapper running the call in ``region``, once: a call inside the same wrapper
-    (``Tensor.backward`` calls itself again through ``__torch_function__`` while a torch function
-    mode is on, e.g. a ``no_sync_guard``) runs as it is."""
+def _region_wrapper(region: timed_region, name: str) -> Callable[..., Any]:
+    """A wrapt wrapper running the call in ``region`` (named ``name``), once: a call inside the
+    same wrapper (``Tensor.backward`` calls itself again through ``__torch_function__`` while a
+    torch function mode is on, e.g. a ``no_sync_guard``), or inside a region of the same name
+    that a framework integration opened around it, runs as it is."""
     inside: contextvars.ContextVar[bool] = contextvars.ContextVar(f"perfsdk_run_{region!r}",
                                                                   default=False)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
-        if inside.get():
+        current = current_span()
+        if inside.get() or (isinstance(current, Region) and current.name == name):
             return wrapped(*args, **kwargs)
         token = inside.set(True)
         try:

@@ -28,6 +28,7 @@ from perfsdk.cli.patches import RunPatches
 from perfsdk.cli.runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
 from perfsdk.config import _OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
+from perfsdk.instrumentor import Instrumentor, instrument_all
 
 __all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "output_files",
            "print_report", "render_report", "report", "run_script"]
@@ -114,6 +115,10 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     started = time.perf_counter()
     with RunRecorder() as recorder:
         patches = RunPatches().install()
+        # the installed integrations (Lightning, Hugging Face): their callbacks add the
+        # framework's regions; no report of their own, the run's report follows
+        frameworks: list[Instrumentor] = [r.instrumentor for r in instrument_all(report=False)
+                                          if r.instrumented and r.instrumentor is not None]
         try:
             with _sync_guard(syncs):
                 runpy.run_path(str(path), run_name="__main__")
@@ -126,6 +131,8 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
             _print_traceback(exc, path, err)
             code = 1
         finally:
+            for instrumentor in frameworks:
+                instrumentor.uninstrument()
             patches.remove()
             sys.argv, sys.path[:] = saved_argv, saved_path
         wall_s = time.perf_counter() - started

@@ -1,3 +1,5 @@
-"""What this integration instruments: checked by perfsdk's integration loader before import."""
+"""What this integration instruments: checked at run time (by :func:`perfsdk.instrument_all`
+before it imports this package, and by :class:`~perfsdk_lightning.LightningInstrumentor`)."""
 
-_instruments = ("lightning >= 2.2",)
+instruments = ("lightning >= 2.2",)
+_instruments = instruments  # opentelemetry-instrumentation's name for it

@@ -1,31 +1,60 @@
-"""``instrument()`` / ``uninstrument()``: give every ``transformers.Trainer`` a PerfsdkCallback."""
+"""``TransformersInstrumentor``, ``instrument()`` / ``uninstrument()``: give every
+``transformers.Trainer`` a PerfsdkCallback."""
 
 from __future__ import annotations
 
-import functools
-import threading
-from importlib import metadata
+import importlib.util
+from collections.abc import Collection
 from typing import Any
 
-from perfsdk_transformers.package import _instruments
+from perfsdk.instrumentor import InitPatch, Instrumentor
+from perfsdk_transformers.package import instruments
 
-__all__ = ["instrument", "is_instrumented", "uninstrument"]
-
-_lock = threading.Lock()
-_original_init: Any = None
+__all__ = ["TransformersInstrumentor", "instrument", "is_instrumented", "uninstrument"]
 
 
-def _trainer_class() -> Any:
-    """``transformers.Trainer``; ImportError with the install command when it is missing."""
-    try:
-        metadata.version("transformers")
-        import transformers
-    except (ImportError, metadata.PackageNotFoundError):
-        raise ImportError(
-            f"perfsdk-transformers instruments {_instruments[0]!r}, which is not installed. "
-            "Install it with: pip install 'perfsdk-transformers[instruments]'"
-        ) from None
-    return transformers.Trainer
+def _check_report(report: Any) -> None:
+    if not isinstance(report, bool):
+        raise ValueError(f"PerfsdkCallback: report={report!r}; accepted values are True "
+                         "(print the summary and advice when training ends) or False")
+
+
+class TransformersInstrumentor(Instrumentor):
+    """Every ``transformers.Trainer`` made while instrumented gets a ``PerfsdkCallback`` (one
+    that was given one keeps it). ``instrument()`` takes the callback's ``report`` and ignores
+    other keyword arguments."""
+
+    distribution = "perfsdk-transformers"
+
+    def __init__(self) -> None:
+        if not hasattr(self, "_patch"):
+            self._patch: InitPatch | None = None
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return instruments
+
+    def _instrument(self, **kwargs: Any) -> None:
+        report = kwargs.get("report", True)
+        _check_report(report)
+        if importlib.util.find_spec("transformers") is None:  # installed, but not importable
+            raise ImportError("transformers cannot be imported")
+
+        def add_callback(trainer: Any) -> None:
+            from perfsdk_transformers.callback import PerfsdkCallback
+
+            handler = getattr(trainer, "callback_handler", None)
+            if handler is not None and not any(
+                isinstance(cb, PerfsdkCallback) for cb in handler.callbacks
+            ):
+                trainer.add_callback(PerfsdkCallback(report=report))
+
+        self._patch = InitPatch("transformers.trainer", "Trainer", add_callback)
+        self._patch.install()
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        if self._patch is not None:
+            self._patch.remove()
+            self._patch = None
 
 
 def instrument(*, report: bool = True) -> None:
@@ -39,40 +68,17 @@ def instrument(*, report: bool = True) -> None:
         ImportError: transformers is not installed (the message names the pip command).
         ValueError: ``report`` is not a bool.
     """
-    global _original_init
-    trainer = _trainer_class()
-    from perfsdk_transformers.callback import PerfsdkCallback
-
-    PerfsdkCallback(report=report)  # a bad argument raises here
-
-    with _lock:
-        if _original_init is not None:
-            return
-        original = trainer.__init__
-
-        @functools.wraps(original)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            handler = getattr(self, "callback_handler", None)
-            if handler is not None and not any(
-                isinstance(cb, PerfsdkCallback) for cb in handler.callbacks
-            ):
-                self.add_callback(PerfsdkCallback(report=report))
-
-        trainer.__init__ = __init__
-        _original_init = original
+    _check_report(report)
+    TransformersInstrumentor().instrument(raise_on_missing=True, report=report)
 
 
 def uninstrument() -> None:
     """Stop adding the callback to new Trainers (existing ones keep theirs); idempotent."""
-    global _original_init
-    with _lock:
-        if _original_init is None:
-            return
-        _trainer_class().__init__ = _original_init
-        _original_init = None
+    instrumentor = TransformersInstrumentor()
+    if instrumentor.is_instrumented:
+        instrumentor.uninstrument()
 
 
 def is_instrumented() -> bool:
     """Whether :func:`instrument` is in effect."""
-    return _original_init is not None
+    return TransformersInstrumentor().is_instrumented

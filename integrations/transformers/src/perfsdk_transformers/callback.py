@@ -36,18 +36,16 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import perfsdk
+from perfsdk import RegionResult
 from perfsdk.auto import STEPS
-from perfsdk.cli.run import print_report
-from perfsdk.cli.runfile import RunRecorder
 from perfsdk.errors import warn_once
+from perfsdk.instrumentor import RunReport
 
 __all__ = ["PerfsdkCallback"]
 
@@ -117,8 +115,7 @@ class PerfsdkCallback(TrainerCallback):
         self._stack: list[_Open] = []
         self._microbatch = 0
         self._batches = 0
-        self._recorder: RunRecorder | None = None
-        self._started = 0.0
+        self._report = RunReport()
 
     # -- the open regions, innermost last --------------------------------------------------
     def _open(self, name: str, **attributes: Any) -> None:
@@ -149,36 +146,27 @@ class PerfsdkCallback(TrainerCallback):
         """Close every region still open, e.g. after ``trainer.train()`` raised (no report is
         printed for that run)."""
         self._unwind()
-        self._stop_recording()
+        self._report.stop()
 
     # -- the report at the end of training ---------------------------------------------------
-    def _stop_recording(self) -> RunRecorder | None:
-        recorder, self._recorder = self._recorder, None
-        if recorder is not None:
-            recorder.__exit__(None, None, None)
-        return recorder
-
     def _print_report(self, state: TrainerState) -> None:
-        recorder = self._stop_recording()
-        if recorder is None:
-            return
-        seconds = time.perf_counter() - self._started
-        steps = len([r for r in recorder.regions if r.name == "step"])
-        runs = len([r for r in recorder.regions if r.name == "validation"])
-        runs_text = f", {runs} evaluation{'s' * (runs != 1)}" if runs else ""
-        print_report(recorder, sys.stdout, title=(
-            f"perfsdk: Hugging Face training ended after {seconds:.2f} s: "
-            f"{state.global_step} optimizer steps, {steps} recorded{runs_text}"))
+        def title(regions: Sequence[RegionResult], seconds: float) -> str:
+            steps = len([r for r in regions if r.name == "step"])
+            runs = len([r for r in regions if r.name == "validation"])
+            runs_text = f", {runs} evaluation{'s' * (runs != 1)}" if runs else ""
+            return (f"perfsdk: Hugging Face training ended after {seconds:.2f} s: "
+                    f"{state.global_step} optimizer steps, {steps} recorded{runs_text}")
+
+        self._report.finish(title)
 
     # -- Trainer events ----------------------------------------------------------------------
     @_guarded
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
         self._unwind()
-        self._stop_recording()  # a run that raised never reached on_train_end
+        self._report.stop()  # a run that raised never reached on_train_end
         if self.report and state.is_world_process_zero and perfsdk.get_config().enabled:
-            self._recorder = RunRecorder().__enter__()
-            self._started = time.perf_counter()
+            self._report.start()
         if getattr(args, "eval_on_start", False):
             self._open_validation()
 

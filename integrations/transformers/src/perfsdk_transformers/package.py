@@ -1,3 +1,5 @@
-"""The framework this integration instruments, checked at runtime before it is used."""
+"""The framework this integration instruments, checked at run time before it is used (by
+:func:`perfsdk.instrument_all` and by :class:`~perfsdk_transformers.TransformersInstrumentor`)."""
 
-_instruments = ("transformers >= 4.46",)
+instruments = ("transformers >= 4.46",)
+_instruments = instruments  # opentelemetry-instrumentation's name for it
