@@ -1,0 +1,159 @@
+"""The house keeps its shape: perfsdk's import graph, read from the source with ``ast``, has no
+import cycle at import time, and no module imports against the layers of docs/architecture.md.
+
+A module's imports are every ``import`` / ``from ... import`` in it; those inside functions and
+under ``if TYPE_CHECKING:`` count for the layers (a lazy import is still a dependency) but not
+for cycles (they run after every module has loaded).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "perfsdk"
+
+LAYERS: dict[str, int] = {
+    # 0 foundation: settings, clocks, the device door, plain data
+    "perfsdk._version": 0, "perfsdk.errors": 0, "perfsdk.config": 0, "perfsdk.context": 0,
+    "perfsdk.clocks": 0, "perfsdk._device": 0, "perfsdk.markers": 0, "perfsdk.memory": 0,
+    "perfsdk.nvml": 0, "perfsdk.distributed": 0, "perfsdk._progress": 0,
+    "perfsdk.sync.report": 0, "perfsdk.sync.ops": 0, "perfsdk.testing.fake_cuda": 0,
+    "perfsdk.testing.fake_nvml": 0, "perfsdk.testing.fake_tensor": 0,
+    "perfsdk.testing.models": 0,
+    # 1 engine: records, the pipeline, regions and their shells, GPU telemetry
+    "perfsdk.record": 1, "perfsdk.pipeline": 1, "perfsdk.region": 1, "perfsdk.decorator": 1,
+    "perfsdk.timing": 1, "perfsdk.gpu": 1,
+    # 2 sinks
+    "perfsdk.export": 2,
+    # 3 capabilities built on regions
+    "perfsdk.auto": 3, "perfsdk.sync": 3, "perfsdk.advisor": 3, "perfsdk.bench": 3,
+    "perfsdk.optimize": 3,
+    # 4 the composition root
+    "perfsdk.lifecycle": 4,
+    # 5 front ends: the package face, the command, test helpers, the integration contract
+    "perfsdk": 5, "perfsdk.__main__": 5, "perfsdk.testing": 5, "perfsdk.cli": 5,
+    "perfsdk.demo": 5, "perfsdk.instrumentor": 5,
+}
+"""Module or package prefix -> layer; the longest prefix wins. A module may import its own
+layer and those below, never one above."""
+
+UPWARD: dict[tuple[str, str], str] = {}
+"""Imports that go up a layer on purpose, each with its reason."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in LAYERS:
+            return LAYERS[prefix]
+    raise AssertionError(f"{module} has no layer in LAYERS: add it (and to docs/architecture.md)")
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if module in PACKAGES else module.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports(module: str) -> tuple[set[str], set[str]]:
+    """``(at import time, all)``: the perfsdk modules ``module`` imports."""
+    tree = ast.parse(MODULES[module].read_text())
+    eager: set[str] = set()
+    every: set[str] = set()
+
+    def visit(node: ast.AST, deferred: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            later = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                   ast.Lambda))
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                later = True
+            found: list[str] = []
+            if isinstance(child, ast.Import):
+                found = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                source = _resolve(module, child)
+                found = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source
+                         for a in child.names]
+            for name in found:
+                while name and name not in MODULES:  # import a.b.c binds a.b.c's package too
+                    name = name.rpartition(".")[0]
+                if name.startswith("perfsdk") and name != module:
+                    every.add(name)
+                    if not later:
+                        eager.add(name)
+            visit(child, later)
+
+    visit(tree, False)
+    return eager, every
+
+
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in MODULES:
+        layer(module)
+
+
+def test_no_import_against_the_layers() -> None:
+    wrong = []
+    for module, (_, every) in GRAPH.items():
+        for target in sorted(every):
+            if target.startswith(module + "."):  # a package's face re-exports its own modules
+                continue
+            if layer(target) > layer(module) and (module, target) not in UPWARD:
+                wrong.append(f"{module} (layer {layer(module)}) imports {target} "
+                             f"(layer {layer(target)})")
+    assert not wrong, "imports against docs/architecture.md's layers:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle() -> None:
+    eager = {m: e for m, (e, _) in GRAPH.items()}
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def walk(node: str) -> None:
+        seen[node] = 1
+        stack.append(node)
+        for nxt in sorted(eager[node]):
+            if nxt == "perfsdk":
+                continue  # the root is lazy: importing it runs none of the others
+            if seen.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in seen:
+                walk(nxt)
+        stack.pop()
+        seen[node] = 2
+
+    for module in MODULES:
+        if module not in seen:
+            walk(module)
+    assert not cycles, "import cycles at import time:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("doc_line", sorted({k for k in LAYERS if k != "perfsdk"}))
+def test_the_architecture_page_names_every_layer_entry(doc_line: str) -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    short = doc_line.removeprefix("perfsdk.")
+    assert re.search(rf"(?<![\w.]){re.escape(short)}(?![\w])", text), (
+        f"docs/architecture.md does not place {short} in a layer")
