@@ -28,7 +28,6 @@ from perfsdk.cli.patches import RunPatches
 from perfsdk.cli.runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
 from perfsdk.config import _OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
-from perfsdk.instrumentor import Instrumentor, instrument_all
 
 __all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "output_files",
            "print_report", "render_report", "report", "run_script"]
@@ -115,10 +114,10 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     started = time.perf_counter()
     with RunRecorder() as recorder:
         patches = RunPatches().install()
-        # the installed integrations (Lightning, Hugging Face): their callbacks add the
-        # framework's regions; no report of their own, the run's report follows
-        frameworks: list[Instrumentor] = [r.instrumentor for r in instrument_all(report=False)
-                                          if r.instrumented and r.instrumentor is not None]
+        # Not perfsdk.instrument_all() yet: under Lightning, the run's own optimizer.step()
+        # region holds Lightning's whole closure and the callback's regions would nest inside
+        # it, counting the optimizer twice. The integrations join `perfsdk run` once these
+        # patches step aside while a framework's callback drives the steps.
         try:
             with _sync_guard(syncs):
                 runpy.run_path(str(path), run_name="__main__")
@@ -131,8 +130,6 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
             _print_traceback(exc, path, err)
             code = 1
         finally:
-            for instrumentor in frameworks:
-                instrumentor.uninstrument()
             patches.remove()
             sys.argv, sys.path[:] = saved_argv, saved_path
         wall_s = time.perf_counter() - started
