@@ -90,5 +90,4 @@ class GpuTelemetry:
 
 
 TELEMETRY = GpuTelemetry()
-PIPELINE.on_round.append(TELEMETRY.tick)
-PIPELINE.sinks.insert(0, TELEMETRY)
+"""The process's GPU telemetry; :mod:`perfsdk.lifecycle` registers it with the pipeline."""

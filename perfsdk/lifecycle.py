@@ -1,4 +1,12 @@
-"""Flush, shutdown, summary and diagnostics: the process-wide ends of the pipeline."""
+"""The composition root: the one place that creates perfsdk's sinks and registers them with the
+pipeline, and the process-wide ends of it: flush, shutdown, summary and diagnostics.
+
+The pipeline hands every finished record to the sinks in this order: GPU telemetry (it attaches
+the NVML readings over the region's window, which the others read), the summary, the trace file,
+then the OpenTelemetry spans and metrics (only when the ``otlp`` extra is installed). Nothing
+else registers a sink at import time; a sink added at run time (``perfsdk run``'s recorder,
+``perfsdk.testing.capture()``) comes after these.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +28,12 @@ from perfsdk.pipeline import PIPELINE
 
 __all__ = ["diagnostics", "flush", "shutdown", "summary"]
 
+PIPELINE.on_round.append(_gpu.TELEMETRY.tick)
+PIPELINE.sinks.insert(0, _gpu.TELEMETRY)  # first, whatever was added at run time before
 SUMMARY = SummarySink()
-PIPELINE.sinks.append(SUMMARY)
+PIPELINE.sinks.insert(1, SUMMARY)
 TRACE = TraceSink(_config.get_config())
-PIPELINE.sinks.append(TRACE)
+PIPELINE.sinks.insert(2, TRACE)
 
 
 def _for_otel(config: Config) -> Config:
@@ -41,7 +51,7 @@ except ImportError:  # optional: pip install opentelemetry-sdk
     SPANS: Any = None
 else:
     SPANS = SpanSink(_for_otel(_config.get_config()))
-    PIPELINE.sinks.append(SPANS)
+    PIPELINE.sinks.insert(3, SPANS)
     PIPELINE.on_lost = SPANS.count_lost
     _pipeline.lost_report = SPANS.lost_lines
 
@@ -52,7 +62,7 @@ except ImportError:  # optional: pip install opentelemetry-sdk
     METRICS: Any = None
 else:
     METRICS = MetricsSink(_for_otel(_config.get_config()), gpu_readings=_gpu.TELEMETRY.latest)
-    PIPELINE.sinks.append(METRICS)
+    PIPELINE.sinks.insert(3 + (SPANS is not None), METRICS)
 
 
 def _on_change(old: Config, new: Config) -> None:

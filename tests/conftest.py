@@ -21,13 +21,7 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
-import perfsdk.config
-import perfsdk.errors
-import perfsdk.sync
-from perfsdk.auto import STEPS
-from perfsdk.lifecycle import SUMMARY
-from perfsdk.pipeline import PIPELINE
-from perfsdk.testing import Capture, FakeCuda, capture, use_fake_cuda
+from perfsdk.testing import Capture, FakeCuda, capture, reset, use_fake_cuda
 
 pytest_plugins = ["tests.nvtx_injection.fixtures"]
 
@@ -114,12 +108,7 @@ def fresh_config() -> Iterator[None]:
     the summary and the sync sites cleared, and every finished region handed to the sinks (so
     nothing leaks into the next test's capture or summary)."""
     yield
-    STEPS.set_schedule(None)  # ends a step a test left open; every step recorded again
-    PIPELINE.drain(wait=True)
-    perfsdk.config.reset_from_env()
-    perfsdk.errors.reset_counts()
-    SUMMARY.reset()  # the summary and the sync sites are process-wide: start each test empty
-    perfsdk.sync.reset()
+    reset()
 
 
 @pytest.fixture

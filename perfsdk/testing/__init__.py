@@ -34,7 +34,7 @@ from perfsdk.testing.models import SimpleNet, SyntheticImages, encoder, simplene
 
 __all__ = ["Capture", "FakeClock", "FakeCuda", "FakeCudaTensor", "FakeEvent", "FakeGpu",
            "FakeGraph", "FakeNvml", "FakePinnedTensor", "FakeStream", "SimpleNet",
-           "SyntheticImages", "capture", "encoder", "simplenet_inputs", "use_fake_clock",
+           "SyntheticImages", "capture", "encoder", "reset", "simplenet_inputs", "use_fake_clock",
            "use_fake_cuda"]
 
 
@@ -81,6 +81,34 @@ class Capture:
             raise AssertionError(f"expected one span {name!r}, found {len(found)}: "
                                  f"{sorted(s.name for s in self.spans)}")
         return found[0]
+
+
+def reset() -> None:
+    """Put perfsdk's process-wide state back as a fresh process has it, for a test's teardown:
+    an open step is ended (and every step recorded again), every finished region is handed to
+    the sinks, the settings are read from the environment again, the warn-once counts, the
+    summary and the sync sites are cleared.
+
+    Example:
+        >>> import perfsdk
+        >>> from perfsdk.testing import reset
+        >>> with perfsdk.timed_region("before"):
+        ...     pass
+        >>> reset()
+        >>> len(perfsdk.summary(show=False))
+        0
+    """
+    from perfsdk import errors, lifecycle
+    from perfsdk.auto.steps import STEPS
+    from perfsdk.config import reset_from_env
+    from perfsdk.sync import reset as reset_syncs
+
+    STEPS.set_schedule(None)
+    PIPELINE.drain(wait=True)
+    reset_from_env()
+    errors.reset_counts()
+    lifecycle.SUMMARY.reset()
+    reset_syncs()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 import perfsdk
 from perfsdk import timed_region
 from perfsdk.pipeline import PIPELINE
@@ -67,3 +69,30 @@ def test_shutdown_then_keep_going():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "OK"
     assert proc.stderr == ""
+
+
+def test_the_composition_root_registers_the_sinks_in_its_documented_order() -> None:
+    import perfsdk.lifecycle as lifecycle
+    from perfsdk.gpu import TELEMETRY
+    from perfsdk.pipeline import PIPELINE
+
+    ours = [s for s in PIPELINE.sinks if s in (TELEMETRY, lifecycle.SUMMARY, lifecycle.TRACE,
+                                               lifecycle.SPANS, lifecycle.METRICS)]
+    expected = [TELEMETRY, lifecycle.SUMMARY, lifecycle.TRACE, lifecycle.SPANS, lifecycle.METRICS]
+    assert ours == [s for s in expected if s is not None]
+    assert PIPELINE.sinks[:3] == [TELEMETRY, lifecycle.SUMMARY, lifecycle.TRACE]
+    assert PIPELINE.on_round.count(TELEMETRY.tick) == 1
+
+
+def test_testing_reset_puts_process_wide_state_back() -> None:
+    import perfsdk
+    from perfsdk.testing import reset
+
+    perfsdk.configure(sample_every=5)
+    with perfsdk.no_sync_guard("count", assume_device=True), perfsdk.timed_region("before"):
+        torch.ones(2).sum().item()
+    assert perfsdk.summary(show=False).sync_sites
+    reset()
+    assert perfsdk.get_config().sample_every == 1
+    assert len(perfsdk.summary(show=False)) == 0
+    assert perfsdk.summary(show=False).sync_sites == ()
