@@ -163,8 +163,9 @@ EXPORTERS: Final = ("otlp", "console", "file", "none", "trace")
 MAX_SECONDS: Final = 86_400.0
 """The longest duration any setting accepts (a day): larger values are typos or ``inf``."""
 
-_OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                       "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+OTLP_ENDPOINT_VARS: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                             "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+"""OpenTelemetry's endpoint variables: with any of them set, the default exporters add OTLP."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -215,7 +216,7 @@ class Config:
         """Read the ``PERFSDK_*`` variables; each bad value warns once and uses the default."""
         env = os.environ if environ is None else environ
         default = cls()
-        otlp_env = any(env.get(k) for k in _OTLP_ENDPOINT_VARS)
+        otlp_env = any(env.get(k) for k in OTLP_ENDPOINT_VARS)
         return cls(
             enabled=_env(env, PERFSDK_ENABLED, _parse_bool, default.enabled),
             exporters=_env(env, PERFSDK_EXPORTER, _parse_exporters, ("otlp",) if otlp_env else ()),

@@ -26,7 +26,7 @@ from perfsdk import _device
 from perfsdk.advisor import Advice, advise
 from perfsdk.cli.patches import RunPatches
 from perfsdk.cli.runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
-from perfsdk.config import _OTLP_ENDPOINT_VARS
+from perfsdk.config import OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import render
 
 __all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "output_files",
@@ -68,7 +68,7 @@ def _print_traceback(exc: BaseException, script: Path, err: TextIO) -> None:
 def default_exporters() -> tuple[str, ...]:
     """``file`` and ``trace``, plus ``otlp`` when an OTLP endpoint variable is set."""
     names: tuple[str, ...] = ("file", "trace")
-    if any(os.environ.get(var) for var in _OTLP_ENDPOINT_VARS):
+    if any(os.environ.get(var) for var in OTLP_ENDPOINT_VARS):
         names += ("otlp",)
     return names
 

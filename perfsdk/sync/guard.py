@@ -242,7 +242,7 @@ def _message(label: str, operator: str, file: str, line: int, code: str, via: st
 def _annotate_region(span: Region, site: str) -> None:
     """Count the sync on the region it happened in: ``perfsdk.syncs`` in all, and per call site
     ``perfsdk.sync_sites`` with ``perfsdk.sync_counts`` (at most :data:`MAX_SPAN_SITES`)."""
-    attrs = span._attributes or {}
+    attrs = span.attributes  # a sync is rare: the merged copy is affordable here
     span.set_attribute("perfsdk.syncs", int(attrs.get("perfsdk.syncs", 0)) + 1)
     known = tuple(attrs.get("perfsdk.sync_sites", ()))
     counts = tuple(attrs.get("perfsdk.sync_counts", ()))
