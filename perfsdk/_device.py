@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaBackend", "Event", "Graph", "Stream", "active", "get_backend", "set_backend"]
+__all__ = ["CudaBackend", "DeviceProperties", "Event", "Graph", "Stream", "active", "get_backend",
+           "set_backend"]
 
 
 class Stream(Protocol):
@@ -40,10 +41,32 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+class DeviceProperties(Protocol):
+    """The subset of ``torch.cuda.get_device_properties()``'s answer perfsdk reads."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def total_memory(self) -> int: ...
+    @property
+    def uuid(self) -> Any: ...  # torch: a _CUuuid, its str() the UUID without "GPU-"
+    @property
+    def major(self) -> int: ...
+    @property
+    def minor(self) -> int: ...
+
+
 class CudaBackend(Protocol):
     """What perfsdk needs from ``torch.cuda`` (names and signatures match it)."""
 
     def is_initialized(self) -> bool: ...
+    # devices: is_available() asks the driver (it does not initialize CUDA, but a fork after it
+    # can still fail: call it only where the user asked for CUDA or for a choice of device)
+    def is_available(self) -> bool: ...
+    def device_count(self) -> int: ...
+    def current_device(self) -> int: ...
+    def get_device_properties(self, device: Any = None) -> DeviceProperties: ...
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool: ...
     def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> Event: ...
     def current_stream(self, device: Any = None) -> Stream: ...
@@ -80,6 +103,24 @@ class TorchCuda:
 
     def is_initialized(self) -> bool:
         return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def get_device_properties(self, device: Any = None) -> DeviceProperties:
+        return torch.cuda.get_device_properties(device)
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        # the argument only where asked: torch < 2.4 has none
+        if including_emulation:
+            return bool(torch.cuda.is_bf16_supported())
+        return bool(torch.cuda.is_bf16_supported(including_emulation))
 
     def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> Event:

@@ -257,7 +257,8 @@ class _Timing:
         kind = str(device).split(":")[0] if isinstance(device, (str, torch.device)) else None
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r}")
-        if kind == "cuda" and _device.active() is None and not torch.cuda.is_available():
+        if (kind == "cuda" and _device.active() is None
+                and not _device.get_backend().is_available()):
             raise ValueError("device is 'cuda' but CUDA is not available; use 'cpu' or None")
         if kind == "cuda" and ":" in str(device):
             self.where = torch.device(device)

@@ -76,12 +76,12 @@ def normalize_uuid(uuid: str | bytes) -> str:
 
 def torch_device_uuids() -> list[str]:
     """UUIDs of this process's CUDA devices in torch order; [] until the app initialized CUDA."""
-    import torch
+    from perfsdk import _device  # imports torch: only once a sampler looks for devices
 
-    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    backend = _device.get_backend()
+    if not backend.is_initialized():
         return []
-    return [str(torch.cuda.get_device_properties(i).uuid)
-            for i in range(torch.cuda.device_count())]
+    return [str(backend.get_device_properties(i).uuid) for i in range(backend.device_count())]
 
 
 _SAMPLERS: weakref.WeakSet[GpuSampler] = weakref.WeakSet()

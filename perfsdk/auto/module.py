@@ -302,7 +302,7 @@ def instrument_module(
     wanted = _patterns("include", include)
     unwanted = _patterns("exclude", exclude)
     root_name = type(getattr(model, "_orig_mod", model)).__name__
-    from perfsdk.optimize._marks import region_attributes
+    from perfsdk.optimize import region_attributes
 
     # what perfsdk.optimize applied to the model, on its root region ("already on" in advice)
     state = tuple(region_attributes(model).items())

@@ -10,13 +10,11 @@ workers overlap those waits even on a 2-core machine, where they could not overl
    ``loss.item()`` sync on every step), instrumented with perfsdk's steps, data-wait and module
    regions and a counting ``no_sync_guard``; then the summary and the advisor's findings.
 2. choose: each candidate fix (DataLoader workers, a larger batch, autocast, channels-last,
-   ``torch.compile``) is tried with a quick interleaved A/B (:func:`perfsdk.bench.compare`)
-   against the set-up chosen so far, and kept only when it measures at least
-   :data:`KEEP_ABOVE` times faster. Autocast is first checked by
-   :func:`perfsdk.optimize.probe.autocast_speedup`: where the probe says it cannot win (a CPU
-   that emulates bfloat16), it is rejected without the A/B. ``torch.compile`` is tried only
-   when compiling fits the time left of the budget. The losses stay on the device from here on
-   (``TrainStep``): removing a sync cannot slow a loop, so that one is not measured.
+   ``torch.compile``) is tried with a quick interleaved A/B (:func:`measure_fix`, through
+   :func:`perfsdk.bench.compare`) against the set-up chosen so far, and kept only when it
+   measures at least :data:`KEEP_ABOVE` times faster (the chooser: :mod:`perfsdk.cli.choose`).
+   The losses stay on the device from here on (``TrainStep``): removing a sync cannot slow a
+   loop, so that one is not measured.
 3. after: the same training with the kept fixes only, measured like the first, and a
    before/after table.
 
@@ -48,36 +46,31 @@ from perfsdk import sync as _sync
 from perfsdk._progress import Progress
 from perfsdk.advisor import Advice, advise
 from perfsdk.bench import compare
+from perfsdk.cli.choose import (
+    BUDGET_S,
+    KEEP_ABOVE,
+    LAB_LR,
+    LARGER_BATCH,
+    Setup,
+    Trial,
+    choose,
+    measured_note,
+)
 from perfsdk.cli.run import output_files
 from perfsdk.cli.runfile import RunRecorder, save_run
 from perfsdk.export.summary import Summary, percentile, render
 from perfsdk.optimize import TrainStep, applied, apply_channels_last, apply_compile, fallbacks
-from perfsdk.optimize.probe import PRUNE_BELOW, autocast_speedup
 from perfsdk.testing.models import SimpleNet, SyntheticImages
 
 __all__ = ["BUDGET_S", "KEEP_ABOVE", "LATENCY_MS", "DemoResult", "Phase", "Setup",
            "StoredImages", "Trial", "measure_fix", "run_demo"]
 
-LAB_LR = 0.01
-"""The lab's SGD learning rate."""
 LATENCY_MS = 5.0
 """Simulated storage latency per image, in milliseconds (a read from network storage)."""
-KEEP_ABOVE = 1.05
-"""A fix is kept when the set-up with it runs at least this many times faster than without."""
 BEFORE_S = 30.0
 """The before run stops at the first step that ends this many seconds after its start (on a
 machine much slower or busier than the demo expects); the after run then trains on as many
 images."""
-BUDGET_S = 45.0
-"""Seconds the demo spends choosing fixes; a candidate that would not fit is not tried."""
-COMPILE_S = {"cpu": 60.0, "cuda": 30.0}
-"""Rough seconds to compile SimpleNet's training step (forward and backward) with inductor:
-on a CPU it builds C++ (15-30 s measured on a quiet 2-core machine, more under load)."""
-LARGER_BATCH = 4
-"""The larger-batch candidate is this many times the lab's batch."""
-WORKERS = (2, 4)
-"""DataLoader worker counts tried, each against the set-up chosen so far (those up to the CPUs
-this process may use: torch warns about more, and the loader's decoding needs a core)."""
 AB_BATCHES = 2
 """A loop A/B call trains on this many of the larger batches' worth of images."""
 LOOP_CALLS = 3
@@ -127,56 +120,6 @@ class StoredImages(Dataset[tuple[torch.Tensor, int]]):
             self.images[index % len(self.images)]
             times.append((time.perf_counter() - started) * 1e3)
         return statistics.median(times)
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """How a training loop runs: its batch, its DataLoader workers and the fixes on its step.
-
-    ``amp`` is the autocast dtype's name (``"bf16"``, ``"fp16"``) or None for float32."""
-
-    batch_size: int
-    workers: int = 0
-    amp: str | None = None
-    channels_last: bool = False
-    compiled: bool = False
-    lr: float = LAB_LR
-    """SGD's learning rate (scaled with the batch, the linear rule)."""
-
-    def describe(self) -> str:
-        parts = [f"batch {self.batch_size}", f"num_workers={self.workers}",
-                 f"autocast {self.amp}" if self.amp else "float32"]
-        parts += ["channels-last"] * self.channels_last + ["torch.compile"] * self.compiled
-        return ", ".join(parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    """One candidate fix: what was measured, and whether the "after" loop keeps it.
-
-    Attributes:
-        field, value: The :class:`Setup` field the fix sets, and to what (``"workers"``, 2).
-        label: The fix as the output names it.
-        measured_on: What the ratio was measured on: the loop over some images, the training
-            step at a batch size, or autocast's probe; ``""`` when not measured.
-        ratio: Time without the fix over time with it (above 1: faster with it); None when it
-            was not measured.
-        status: ``"kept"``, ``"rejected"`` (measured, not faster by :data:`KEEP_ABOVE`) or
-            ``"not tried"`` (the budget, or nothing to measure).
-        reason: Why, in words.
-    """
-
-    field: str
-    value: Any
-    label: str
-    measured_on: str
-    ratio: float | None
-    status: str
-    reason: str
-
-    @property
-    def kept(self) -> bool:
-        return self.status == "kept"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +234,7 @@ def run_demo(steps: int = 60, batch_size: int = 8, image_size: int = 32,
     config = perfsdk.configure(exporter=names, output_dir=output_dir if output_dir is not None
                                else perfsdk.get_config().output_dir)
     directory = Path(config.output_dir)
-    device = "cuda" if _device.initialized() or torch.cuda.is_available() else "cpu"
+    device = "cuda" if _device.initialized() or _device.get_backend().is_available() else "cpu"
     data = StoredImages(steps * batch_size, image_size, latency_ms)
     stream.write(f"perfsdk demo: the course lab's SimpleNet on {len(data)} synthetic "
                  f"{image_size}x{image_size} images, on {device.upper()}\n"
@@ -314,7 +257,10 @@ def run_demo(steps: int = 60, batch_size: int = 8, image_size: int = 32,
                  "per step); that one needs no A/B.\n")
     ab_data = StoredImages(AB_BATCHES * LARGER_BATCH * batch_size, image_size, latency_ms)
     with perfsdk.timed_region("demo.choose", category="demo"):
-        setup, trials = _Chooser(lab, ab_data, device, budget_s, stream).run()
+        setup, trials = choose(
+            lab, lambda without, with_fix, on: measure_fix(without, with_fix, ab_data, on=on,
+                                                           device=device),
+            images=len(ab_data), device=device, budget_s=budget_s, stream=stream)
     stream.write(f"  chosen: {setup.describe()}\n\n")
 
     fixed = _Trainer(setup, data, device)
@@ -325,7 +271,7 @@ def run_demo(steps: int = 60, batch_size: int = 8, image_size: int = 32,
                        stream, ran=fixed.ran)
     finally:
         fixed.close()
-    stream.write(_measured_note(after.advice, trials))
+    stream.write(measured_note(after.advice, trials))
     stream.write(_table(before, after) + "\n")
     perfsdk.flush()
     files = _files(directory)
@@ -494,88 +440,6 @@ class _Trainer:
         gc.collect()
 
 
-_FIX, _ON = 28, 24  # the widths of the choice table's first two columns
-
-
-class _Chooser:
-    """Tries each candidate fix against the set-up chosen so far, interleaved, and keeps it only
-    when it measures faster; prints one row per candidate as it goes."""
-
-    def __init__(self, lab: Setup, data: StoredImages, device: str, budget_s: float,
-                 stream: TextIO) -> None:
-        self.setup = self.lab = lab
-        self.data, self.device = data, device
-        self.stream = stream
-        self.deadline = time.perf_counter() + budget_s
-        self.budget_s = budget_s
-        self.trials: list[Trial] = []
-
-    def run(self) -> tuple[Setup, list[Trial]]:
-        self.stream.write(f"  {'fix':<{_FIX}}{'measured on':<{_ON}}{'ratio':>6}  result\n")
-        lab = self.lab
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        for workers in [w for w in WORKERS if w <= cores] or [cores]:
-            pinned = ", pinned" if self.device == "cuda" else ""
-            self._try("workers", workers, f"num_workers={workers} (persistent{pinned})", "loop")
-        self._try("batch_size", lab.batch_size * LARGER_BATCH,
-                  f"batch_size={lab.batch_size * LARGER_BATCH} (lr {LARGER_BATCH}x)", "loop",
-                  lr=lab.lr * LARGER_BATCH)
-        amp = self._amp()
-        probe = autocast_speedup(torch.bfloat16 if amp == "bf16" else torch.float16, self.device)
-        self._try("amp", amp, f"TrainStep(amp={amp!r})", "step",
-                  note=f"the probe said {probe:.2f}x, then ",
-                  pruned=None if probe >= PRUNE_BELOW else
-                  (probe, f"{'fails' if probe == 0 else 'slower than float32'} here "
-                   f"(below {PRUNE_BELOW}x: no A/B)"))
-        self._try("channels_last", True, "apply_channels_last(model)", "step")
-        needed = COMPILE_S.get(self.device, COMPILE_S["cpu"])
-        left = self.deadline - time.perf_counter()
-        self._try("compiled", True, "apply_compile(model)", "step",
-                  pruned=None if left >= needed else
-                  (None, f"~{needed:.0f} s to compile on {self.device.upper()}, "
-                   f"{max(left, 0):.0f} s of the budget left"))
-        return self.setup, self.trials
-
-    def _amp(self) -> str:
-        if self.device == "cuda" and torch.cuda.is_bf16_supported():
-            return "bf16"  # no GradScaler, so no sync per step for its overflow check
-        return "bf16" if self.device == "cpu" else "fp16"
-
-    def _try(self, field: str, value: Any, label: str, how: str, *,
-             pruned: tuple[float | None, str] | None = None, note: str = "",
-             **also: Any) -> None:
-        """Measure the set-up so far with ``field=value`` against without; keep it if faster.
-        ``pruned``: (a ratio or None, why) to reject or skip it without the A/B."""
-        base = self.setup
-        if pruned is None and time.perf_counter() >= self.deadline:
-            pruned = (None, f"the {self.budget_s:.0f} s budget ran out")
-        if pruned is not None:
-            ratio, why = pruned
-            trial = Trial(field, value, label, "" if ratio is None else "the autocast probe",
-                          ratio, "not tried" if ratio is None else "rejected", why)
-            self.stream.write(f"  {label:<{_FIX}}{trial.measured_on or '-':<{_ON}}")
-        else:
-            on = (f"the loop, {len(self.data)} images" if how == "loop"
-                  else f"the step, batch {base.batch_size}")
-            self.stream.write(f"  {label:<{_FIX}}{on:<{_ON}}")  # the rest when measured
-            self.stream.flush()
-            candidate = dataclasses.replace(base, **{field: value}, **also)
-            with perfsdk.timed_region("demo.try", category="demo") as region:
-                region.set_attribute("demo.fix", label)
-                measured = measure_fix(base, candidate, self.data, on=how, device=self.device)
-                region.set_attribute("demo.ratio", measured)
-            kept = measured >= KEEP_ABOVE
-            trial = Trial(field, value, label, on, measured, "kept" if kept else "rejected",
-                          note + ("faster here" if kept else "not faster here"))
-            if kept:
-                self.setup = candidate
-        shown = "-" if trial.ratio is None else f"{trial.ratio:.2f}x"
-        self.stream.write(f"{shown:>6}  {trial.status}: {trial.reason}\n")
-        self.stream.flush()
-        self.trials.append(trial)
-
-
 def measure_fix(without: Setup, with_fix: Setup, data: StoredImages, *, on: str,
                 device: str = "cpu") -> float:
     """Time without the fix over time with it (above 1: the fix is faster), from one
@@ -609,27 +473,6 @@ def measure_fix(without: Setup, with_fix: Setup, data: StoredImages, *, on: str,
         a.close()
         b.close()
     return result.speedup("with")
-
-
-_MENTIONS = {"amp": ("apply_amp", "amp="), "channels_last": ("channels_last",),
-             "compiled": ("compile",), "workers": ("tune_dataloader", "num_workers")}
-"""The words by which an advisor's fix names each candidate."""
-
-
-def _measured_note(advice: Advice, trials: list[Trial]) -> str:
-    """What this demo measured about the fixes the "after" advice names."""
-    text = " ".join(f"{f.fix} {' '.join(f.details)}" for f in advice.findings)
-    said = []
-    for trial in trials:
-        if any(word in text for word in _MENTIONS.get(trial.field, ())):
-            ratio = "" if trial.ratio is None else f" at {trial.ratio:.2f}x"
-            state = {"kept": "already on in this run", "rejected": "measured and rejected",
-                     "not tried": "not tried"}[trial.status]
-            said.append(f"{trial.label}: {state}{ratio}")
-    if not said:
-        return ""
-    return ("the demo's own measurements of the fixes named above:\n"
-            + "".join(f"  - {line}\n" for line in dict.fromkeys(said)) + "\n")
 
 
 def _files(directory: Path) -> dict[str, str]:

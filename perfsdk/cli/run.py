@@ -77,9 +77,8 @@ def device_memory_bytes() -> int | None:
     """The current CUDA device's total memory, for the advisor; None before CUDA is in use."""
     if not _device.initialized():
         return None
-    import torch
-
-    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    backend = _device.get_backend()
+    return int(backend.get_device_properties(backend.current_device()).total_memory)
 
 
 def _sync_guard(on: bool) -> contextlib.AbstractContextManager[Any]:

@@ -29,7 +29,6 @@ from typing import Any
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
-from opentelemetry.metrics._internal import _ProxyMeterProvider
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
@@ -69,6 +68,19 @@ for _name in ("opentelemetry.exporter.otlp.proto.http.metric_exporter",
               "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
               "opentelemetry.sdk.metrics._internal", "opentelemetry.sdk.metrics._internal.export"):
     logging.getLogger(_name).addFilter(CAPTURE)
+
+
+def _placeholder(provider: metrics.MeterProvider) -> bool:
+    """Whether ``provider`` is the OpenTelemetry API's stand-in, i.e. no application set one.
+
+    The one use of an OpenTelemetry internal: the metrics API has no public name for its
+    stand-in (the trace API has ``trace.ProxyTracerProvider``; ``opentelemetry.metrics`` exports
+    no proxy class, up to opentelemetry-api 1.45), and no public call says whether a provider
+    was set. ``isinstance(provider, sdk.MeterProvider)`` would not do: an application may set
+    ``NoOpMeterProvider`` or another implementation, and perfsdk must then use it."""
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    return isinstance(provider, _ProxyMeterProvider)
 
 
 def rss_bytes() -> int | None:
@@ -258,7 +270,7 @@ class MetricsSink:
     def _decide(self) -> str:
         if self._global:
             current = metrics.get_meter_provider()
-            if current is not self._provider and not isinstance(current, _ProxyMeterProvider):
+            if current is not self._provider and not _placeholder(current):
                 self._use(current)
                 return "user"
         if self._orphans:  # in a forked child: the parent's readers go; the resource is ours

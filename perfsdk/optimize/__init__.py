@@ -8,7 +8,7 @@ the model unchanged, where it cannot help. :func:`optimize` applies a chosen set
 thing, and reports what each bought.
 """
 
-from perfsdk.optimize._marks import applied, fallbacks
+from perfsdk.optimize._marks import applied, fallbacks, region_attributes
 from perfsdk.optimize.amp import apply_amp
 from perfsdk.optimize.backends import backend_flags, restore_backends, set_backends
 from perfsdk.optimize.channels_last import apply_channels_last
@@ -34,6 +34,7 @@ __all__ = (
     "backend_flags",
     "fallbacks",
     "optimize",
+    "region_attributes",
     "restore_backends",
     "set_backends",
     "tune_dataloader",

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from perfsdk import _device
 from perfsdk._progress import Progress
 from perfsdk.errors import PerfSDKError
 
@@ -133,7 +134,7 @@ def _accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None:
         return bool(accelerator.is_available())
-    return bool(torch.cuda.is_available())  # torch < 2.6
+    return _device.get_backend().is_available()  # torch < 2.6
 
 
 def _combos(num_workers: tuple[int, ...], pin_memory: tuple[bool, ...],

@@ -27,15 +27,21 @@ from perfsdk import _device, clocks, region
 from perfsdk.config import get_config
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
-from perfsdk.testing.fake_cuda import FakeCuda, FakeEvent, FakeGraph, FakeStream
+from perfsdk.testing.fake_cuda import (
+    FakeCuda,
+    FakeDeviceProperties,
+    FakeEvent,
+    FakeGraph,
+    FakeStream,
+)
 from perfsdk.testing.fake_nvml import FakeGpu, FakeNvml
 from perfsdk.testing.fake_tensor import FakeCudaTensor, FakePinnedTensor
 from perfsdk.testing.models import SimpleNet, SyntheticImages, encoder, simplenet_inputs
 
-__all__ = ["Capture", "FakeClock", "FakeCuda", "FakeCudaTensor", "FakeEvent", "FakeGpu",
-           "FakeGraph", "FakeNvml", "FakePinnedTensor", "FakeStream", "SimpleNet",
-           "SyntheticImages", "capture", "encoder", "reset", "simplenet_inputs", "use_fake_clock",
-           "use_fake_cuda"]
+__all__ = ["Capture", "FakeClock", "FakeCuda", "FakeCudaTensor", "FakeDeviceProperties",
+           "FakeEvent", "FakeGpu", "FakeGraph", "FakeNvml", "FakePinnedTensor", "FakeStream",
+           "SimpleNet", "SyntheticImages", "capture", "encoder", "reset", "simplenet_inputs",
+           "use_fake_clock", "use_fake_cuda"]
 
 
 class Capture:

@@ -1,11 +1,12 @@
-"""The fake CUDA device behind :func:`perfsdk.testing.use_fake_cuda`: events that complete when
-the test moves the fake GPU clock, streams, CUDA graphs that replay the recorded operators, the
-caching allocator's counters and torch's sync debug mode. Same names and signatures as
-``torch.cuda`` (held to them by a contract test)."""
+"""The fake CUDA device behind :func:`perfsdk.testing.use_fake_cuda`: its devices and their
+properties, events that complete when the test moves the fake GPU clock, streams, CUDA graphs
+that replay the recorded operators, the caching allocator's counters and torch's sync debug mode.
+Same names and signatures as ``torch.cuda`` (held to them by a contract test)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -15,7 +16,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FakeCuda", "FakeEvent", "FakeGraph", "FakeStream"]
+__all__ = ["FakeCuda", "FakeDeviceProperties", "FakeEvent", "FakeGraph", "FakeStream"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDeviceProperties:
+    """Stands in for what ``torch.cuda.get_device_properties()`` returns (the fields perfsdk
+    reads). ``uuid`` is written as torch's ``str(props.uuid)`` is: without NVML's ``GPU-``
+    prefix; the default device's ``fake-0`` is the first GPU of :class:`FakeNvml` ``(1)``."""
+
+    name: str = "Fake GPU"
+    total_memory: int = 16 << 30
+    uuid: str = "fake-0"
+    major: int = 8
+    minor: int = 0
 
 
 class FakeStream:
@@ -182,6 +196,9 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.initialized = True
+        self.available = True  # is_available(): a fake GPU is there (even before initialized)
+        self.devices = [FakeDeviceProperties()]
+        self.device = 0  # current_device()
         self.gpu_ms = 0.0
         self.queued_ms = 0.0
         self.sync_calls: list[str] = []
@@ -205,6 +222,23 @@ class FakeCuda:
     # the torch.cuda subset
     def is_initialized(self) -> bool:
         return self.initialized
+
+    def is_available(self) -> bool:
+        return self.available and bool(self.devices)
+
+    def device_count(self) -> int:
+        return len(self.devices) if self.available else 0
+
+    def current_device(self) -> int:
+        return self.device
+
+    def get_device_properties(self, device: Any = None) -> FakeDeviceProperties:
+        return self.devices[self._index(device)]
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        if not self.is_available():
+            return False
+        return self.get_device_properties().major >= 8 or including_emulation
 
     def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False, external: bool = False) -> FakeEvent:
@@ -251,7 +285,7 @@ class FakeCuda:
         self.complete_all()
 
     def get_device_name(self, device: Any = None) -> str:
-        return "Fake GPU"
+        return self.get_device_properties(device).name
 
     def memory_allocated(self, device: Any = None) -> int:
         return self.allocated
@@ -304,6 +338,20 @@ class FakeCuda:
                                    "`warn`, `error`")
             debug_mode = modes[debug_mode]
         self.sync_debug_mode = int(debug_mode)
+
+    def _index(self, device: Any) -> int:
+        """torch's device argument (None, an index, ``"cuda:1"``, a ``torch.device``) as an
+        index; out of range raises as torch does."""
+        if device is None:
+            index = self.device
+        elif isinstance(device, int):
+            index = device
+        else:
+            device = torch.device(device)
+            index = self.device if device.index is None else device.index
+        if not 0 <= index < self.device_count():
+            raise AssertionError("Invalid device id")
+        return index
 
     def _synced(self, name: str) -> None:
         """A synchronizing call: recorded, and reported the way torch's sync debug mode does."""

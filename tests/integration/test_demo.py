@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from perfsdk.cli import choose as choose_module
 from perfsdk.cli import demo as demo_module
 from perfsdk.cli.demo import KEEP_ABOVE, Setup, StoredImages, measure_fix, run_demo
 from tests.otlp_receiver import OTLPReceiver
@@ -249,7 +250,7 @@ def test_the_after_loop_runs_exactly_the_fixes_measured_faster(monkeypatch, tmp_
         return ratio
 
     monkeypatch.setattr(demo_module, "measure_fix", fake_measure)
-    monkeypatch.setattr(demo_module, "autocast_speedup", lambda dtype, device: probe)
+    monkeypatch.setattr(choose_module, "autocast_speedup", lambda dtype, device: probe)
     out = io.StringIO()
     result = run_demo(steps=4, batch_size=2, image_size=8, output_dir=tmp_path,
                       exporters=("none",), out=out, progress=False, latency_ms=0)
@@ -298,7 +299,7 @@ def test_a_slow_before_run_stops_and_an_exhausted_budget_tries_nothing(monkeypat
 
     monkeypatch.setattr(demo_module, "BEFORE_S", 0.0)
     monkeypatch.setattr(demo_module, "measure_fix", no_measure)
-    monkeypatch.setattr(demo_module, "autocast_speedup", lambda dtype, device: 0.1)
+    monkeypatch.setattr(choose_module, "autocast_speedup", lambda dtype, device: 0.1)
     out = io.StringIO()
     result = run_demo(steps=5, batch_size=2, image_size=8, output_dir=tmp_path,
                       exporters=("none",), out=out, progress=False, latency_ms=0,

@@ -1,5 +1,7 @@
 """The house keeps its shape: perfsdk's import graph, read from the source with ``ast``, has no
-import cycle at import time, and no module imports against the layers of docs/architecture.md.
+import cycle at import time, and no module imports against the layers of docs/architecture.md;
+``torch.cuda`` is used only behind the device interface, and no private name is imported across
+modules.
 
 A module's imports are every ``import`` / ``from ... import`` in it; those inside functions and
 under ``if TYPE_CHECKING:`` count for the layers (a lazy import is still a dependency) but not
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,141 @@ def test_the_architecture_page_names_every_layer_entry(doc_line: str) -> None:
     short = doc_line.removeprefix("perfsdk.")
     assert re.search(rf"(?<![\w.]){re.escape(short)}(?![\w])", text), (
         f"docs/architecture.md does not place {short} in a layer")
+
+
+# -- the doors: torch.cuda only through _device, private names stay home -------------------------
+CUDA_DOORS = ("perfsdk._device", "perfsdk.sync.debug", "perfsdk.testing")
+"""The modules (or packages) that may touch ``torch.cuda`` in code: the device interface, the
+sync guard's patching of ``torch.cuda.synchronize``, and the fakes that stand in for it."""
+
+
+def _is_door(module: str) -> bool:
+    return any(module == door or module.startswith(door + ".") for door in CUDA_DOORS)
+
+
+def torch_cuda_uses(module: str) -> list[str]:
+    """``file:line: code`` for each reference to ``torch.cuda`` in ``module``'s code (an import
+    of it, or an attribute of a name bound to torch); docstrings and strings do not count."""
+    tree = ast.parse(MODULES[module].read_text())
+    path = MODULES[module].relative_to(ROOT)
+    torch_names: set[str] = set()
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch.cuda" or alias.name.startswith("torch.cuda."):
+                    found.append((node.lineno, f"import {alias.name}"))
+                elif alias.name == "torch" or alias.name.startswith("torch."):
+                    torch_names.add(alias.asname or "torch")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == "torch.cuda" or node.module.startswith("torch.cuda."):
+                found.append((node.lineno, f"from {node.module} import ..."))
+            elif node.module == "torch" and any(a.name == "cuda" for a in node.names):
+                found.append((node.lineno, "from torch import cuda"))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr == "cuda"
+                and isinstance(node.value, ast.Name) and node.value.id in torch_names):
+            outer: ast.AST = node
+            while isinstance(parents.get(outer), ast.Attribute):
+                outer = parents[outer]
+            found.append((node.lineno, ast.unparse(outer)))
+    return [f"{path}:{line}: {code}" for line, code in sorted(found)]
+
+
+def test_torch_cuda_only_through_the_device_interface() -> None:
+    wrong = [use for module in MODULES if not _is_door(module)
+             for use in torch_cuda_uses(module)]
+    assert not wrong, ("torch.cuda outside perfsdk._device (add what is needed to its "
+                       "CudaBackend and to testing.FakeCuda):\n" + "\n".join(wrong))
+
+
+@pytest.mark.parametrize("source", [
+    "import torch\nx = torch.cuda.is_available()",
+    "import torch as th\nth.cuda.synchronize()",
+    "from torch import cuda",
+    "import torch.cuda.memory",
+    "from torch.cuda import Event",
+    "import torch.nn\ndef f():\n    return torch.cuda.device_count()",
+])
+def test_the_torch_cuda_check_sees(source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                   ) -> None:
+    (tmp_path / "m.py").write_text(source)
+    monkeypatch.setitem(MODULES, "perfsdk.m", tmp_path / "m.py")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert len(torch_cuda_uses("perfsdk.m")) == 1
+
+
+def test_the_torch_cuda_check_ignores_strings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    (tmp_path / "m.py").write_text('"""Uses ``torch.cuda.Event``."""\nimport torch\n'
+                                   'x = "torch.cuda.is_available()"\ny = torch.backends.cuda\n')
+    monkeypatch.setitem(MODULES, "perfsdk.m", tmp_path / "m.py")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert torch_cuda_uses("perfsdk.m") == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(module: str) -> list[str]:
+    """Each import in ``module`` of a private name from another perfsdk module, or of a private
+    module from outside the package that holds it (``perfsdk._device`` belongs to all of
+    perfsdk, ``perfsdk.optimize._marks`` to ``perfsdk.optimize``)."""
+    tree = ast.parse(MODULES[module].read_text())
+    wrong: list[str] = []
+
+    def check_module(target: str, line: int) -> None:
+        parts = target.split(".")
+        for i, part in enumerate(parts):
+            owner = ".".join(parts[:i])
+            if _private(part) and not (module == owner or module.startswith(owner + ".")):
+                wrong.append(f"{module}:{line} imports {target}, private to {owner}")
+                return
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "perfsdk":
+                    check_module(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node)
+            if source.split(".")[0] != "perfsdk":
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in MODULES:  # from a package import a module
+                    check_module(full, node.lineno)
+                    continue
+                check_module(source, node.lineno)
+                if _private(alias.name):
+                    wrong.append(f"{module}:{node.lineno} imports {alias.name}, private to "
+                                 f"{source}")
+    return wrong
+
+
+def test_no_private_name_imported_across_modules() -> None:
+    wrong = [line for module in MODULES for line in private_imports(module)]
+    assert not wrong, ("private names imported from another module (promote the name or move "
+                       "the code):\n" + "\n".join(wrong))
+
+
+@pytest.mark.parametrize(("module", "source", "found"), [
+    ("perfsdk.auto.m", "from perfsdk.optimize._marks import region_attributes", 1),
+    ("perfsdk.auto.m", "from perfsdk.optimize import _marks", 1),
+    ("perfsdk.auto.m", "import perfsdk.optimize._marks", 1),
+    ("perfsdk.auto.m", "from perfsdk.export.metrics import _placeholder", 1),
+    ("perfsdk.auto.m", "from .steps import _helper", 1),
+    ("perfsdk.auto.m", "def f():\n    from ..optimize._marks import mark", 1),
+    ("perfsdk.optimize.m", "from perfsdk.optimize._marks import mark", 0),
+    ("perfsdk.optimize.m", "from ._marks import mark", 0),
+    ("perfsdk.auto.m", "from perfsdk import _device", 0),
+    ("perfsdk.auto.m", "from perfsdk._version import __version__", 0),
+    ("perfsdk.auto.m", "from perfsdk.optimize import region_attributes", 0),
+])
+def test_the_private_import_check_sees(module: str, source: str, found: int, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "m.py").write_text(source)
+    monkeypatch.setitem(MODULES, module, tmp_path / "m.py")
+    assert len(private_imports(module)) == found

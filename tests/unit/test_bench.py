@@ -238,6 +238,20 @@ def test_cuda_requested_without_cuda() -> None:
         benchmark(lambda: None, iters=1, device="cuda")
 
 
+def test_cuda_requested_asks_the_device_interface(fake_cuda: FakeCuda) -> None:
+    fake_cuda.initialized = False  # the application never touched CUDA ...
+    fake_cuda.available = False  # ... and there is no GPU
+    with pytest.raises(ValueError, match=r"device is 'cuda' but CUDA is not available"):
+        benchmark(lambda: None, iters=1, device="cuda")
+    fake_cuda.available = True  # a GPU the application has not used yet: timed on it
+
+    def step() -> None:
+        fake_cuda.launch(2.0)
+
+    r = benchmark(step, warmup=0, iters=2, device="cuda")
+    assert (r.device, r.times_ms) == ("cuda", (2.0, 2.0))
+
+
 @pytest.mark.parametrize(("fns", "kwargs", "match"), [
     ({}, {}, r"fns must be a non-empty mapping"),
     ([("a", print)], {}, r"fns must be a non-empty mapping"),

@@ -186,3 +186,13 @@ def test_redact_command():
         "gpt2", "--lr", "0.1", "--secret", "--epochs", "2", "--", "positional"]
     assert redact_command(["--token.py", "--token", "x"]) == ["--token.py", "--token", REDACTED]
     assert redact_command([]) == []
+
+
+def test_device_memory_comes_from_the_device_interface(fake_cuda) -> None:
+    """``perfsdk run``'s device capacity for the advisor: the current device's total memory, read
+    only once the application has initialized CUDA."""
+    from perfsdk.cli.run import device_memory_bytes
+
+    assert device_memory_bytes() == 16 << 30
+    fake_cuda.initialized = False
+    assert device_memory_bytes() is None

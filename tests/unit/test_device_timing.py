@@ -3,9 +3,12 @@ back to the pool, and the non-sync flow makes no synchronizing call at all."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import dataclasses
 import inspect
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import perfsdk
 from perfsdk import _device, clocks, profiled, timed_region
 from perfsdk.errors import counts
 from perfsdk.pipeline import PIPELINE
-from perfsdk.testing import FakeCuda, FakeEvent, FakeStream, use_fake_cuda
+from perfsdk.testing import FakeCuda, FakeDeviceProperties, FakeEvent, FakeStream, use_fake_cuda
 from tests.waiting import one_pipeline_round, wait_until
 
 
@@ -250,6 +253,11 @@ def _params(fn, drop=("self", "cls")):
 
 CONTRACT = {
     (FakeCuda, "is_initialized"): torch.cuda.is_initialized,
+    (FakeCuda, "is_available"): torch.cuda.is_available,
+    (FakeCuda, "device_count"): torch.cuda.device_count,
+    (FakeCuda, "current_device"): torch.cuda.current_device,
+    (FakeCuda, "get_device_properties"): torch.cuda.get_device_properties,
+    (FakeCuda, "is_bf16_supported"): torch.cuda.is_bf16_supported,
     (FakeCuda, "profiler_start"): torch.cuda.profiler.start,
     (FakeCuda, "profiler_stop"): torch.cuda.profiler.stop,
     (FakeCuda, "Event"): torch.cuda.Event.__new__,
@@ -312,6 +320,66 @@ def test_what_perfsdk_calls_exists_on_the_fake(protocol, fake):
         wanted = [n for n, _ in _params(value)]
         have = [n for n, _ in _params(implemented)]
         assert have[:len(wanted)] == wanted, (fake.__name__, name)
+
+
+def test_every_protocol_member_is_in_torch_cuda():
+    """What perfsdk's device interface asks for, the real ``torch.cuda`` has, with the same
+    arguments (CONTRACT says where: ``profiler_start`` is ``torch.cuda.profiler.start``)."""
+    for name, value in vars(_device.CudaBackend).items():
+        if name.startswith("_") or not callable(value):
+            continue
+        real = CONTRACT.get((FakeCuda, name))
+        assert real is not None, f"CudaBackend.{name}: say in CONTRACT where torch.cuda has it"
+        wanted = [n for n, _ in _params(value)]
+        assert [n for n, _ in _params(real)][:len(wanted)] == wanted, name
+
+
+def _torch_stub_fields(cls_name):
+    """The attributes torch's type stubs give ``torch._C.<cls_name>`` (a CPU build of torch
+    cannot make one to look at)."""
+    stub = Path(torch.__file__).parent / "_C" / "__init__.pyi"
+    if not stub.exists():
+        pytest.skip("this torch install has no type stubs")
+    for node in ast.parse(stub.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls_name:
+            return {n.target.id for n in node.body
+                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    pytest.fail(f"torch's stubs have no {cls_name}")
+
+
+def test_device_properties_perfsdk_reads_are_in_torch_and_the_fake():
+    wanted = {n for n in vars(_device.DeviceProperties) if not n.startswith("_")}
+    assert wanted == {"name", "total_memory", "uuid", "major", "minor"}
+    assert wanted <= _torch_stub_fields("_CudaDeviceProperties")
+    assert wanted <= {f.name for f in dataclasses.fields(FakeDeviceProperties)}
+
+
+def test_fake_devices_answer_like_torch_cuda():
+    fake = FakeCuda()
+    assert (fake.is_available(), fake.device_count(), fake.current_device()) == (True, 1, 0)
+    props = fake.get_device_properties()
+    assert (props.name, props.total_memory, str(props.uuid)) == ("Fake GPU", 16 << 30, "fake-0")
+    for device in ("cuda:0", torch.device("cuda", 0), 0, None):
+        assert fake.get_device_properties(device) is props
+    assert fake.get_device_name() == "Fake GPU"
+    assert fake.is_bf16_supported()
+    fake.devices.append(FakeDeviceProperties("Old GPU", 8 << 30, "fake-1", 7, 0))
+    fake.device = 1
+    assert (fake.get_device_name(), fake.device_count()) == ("Old GPU", 2)
+    assert fake.is_bf16_supported()  # emulated
+    assert not fake.is_bf16_supported(including_emulation=False)
+    with pytest.raises(AssertionError, match="Invalid device id"):
+        fake.get_device_properties(2)
+    fake.available = False
+    assert (fake.is_available(), fake.device_count(), fake.is_bf16_supported()) == (False, 0,
+                                                                                    False)
+
+
+def test_the_device_interface_never_initializes_cuda_for_these_questions():
+    backend = _device.TorchCuda()
+    backend.is_available()
+    backend.is_initialized()
+    assert not torch.cuda.is_initialized()
 
 
 def test_a_later_region_exit_wakes_the_poller_for_a_finished_one(fake_cuda, captured,

@@ -288,6 +288,18 @@ def test_default_device_lookup_never_initializes_cuda(make):
     assert not torch.cuda.is_initialized()
 
 
+def test_default_device_lookup_asks_the_device_interface(make, fake_cuda):
+    """torch's device UUIDs come through perfsdk's device interface: the fake CUDA device's
+    default UUID is the fake NVML's first GPU."""
+    assert perfsdk.nvml.torch_device_uuids() == ["fake-0"]
+    fake = FakeNvml(1, step_ns=STEP)
+    sampler = make(fake, device_uuids=None)
+    run_rounds(sampler, 3)
+    assert sampler.devices() == {0: "GPU-fake-0"}
+    fake_cuda.initialized = False
+    assert perfsdk.nvml.torch_device_uuids() == []
+
+
 # -- errors ----------------------------------------------------------------------------------
 def test_an_nvml_error_in_one_call_is_survived_and_warned_once(make):
     fake = FakeNvml([ramp_gpu()], step_ns=STEP)
