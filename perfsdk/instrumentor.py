@@ -5,10 +5,11 @@ Modelled on opentelemetry-instrumentation's ``BaseInstrumentor`` and its depende
 
 - :class:`Instrumentor`: one instance per class; :meth:`~Instrumentor.instrument` and
   :meth:`~Instrumentor.uninstrument` are idempotent (a second call logs and does nothing); the
-  framework requirements of :meth:`~Instrumentor.instrumentation_dependencies` (the integration's
-  ``_instruments``, e.g. ``"lightning >= 2.2"``) are checked at run time, and a missing or too
-  old framework is skipped with the reason, never raised into the program unless asked for
-  (``raise_on_missing=True``).
+  framework requirements (the integration's ``instruments``, e.g. ``"lightning >= 2.2"``) are
+  checked at run time, and a missing or too old framework is skipped with the reason, never
+  raised into the program unless asked for (``raise_on_missing=True``). An integration states
+  only what differs: its ``instruments``, its ``distribution`` and the :class:`InitPatch` es
+  that instrumenting installs (``_patches``).
 - :func:`instrument_all`: reads the ``perfsdk_integrations`` entry points that the integrations'
   ``pyproject.toml`` declare, and instruments every one whose framework is installed.
 - :class:`InitPatch`: runs a function after each construction of a framework class (give every
@@ -17,18 +18,18 @@ Modelled on opentelemetry-instrumentation's ``BaseInstrumentor`` and its depende
   advisor's findings (what the callbacks print when training ends).
 
 Example:
-    >>> from perfsdk.instrumentor import Instrumentor
+    >>> import argparse
+    >>> from perfsdk.instrumentor import InitPatch, Instrumentor
+    >>> made = []
     >>> class Demo(Instrumentor):
-    ...     def instrumentation_dependencies(self):
-    ...         return ("torch >= 2.2",)
-    ...     def _instrument(self, **kwargs):
-    ...         pass
-    ...     def _uninstrument(self, **kwargs):
-    ...         pass
+    ...     instruments = ("torch >= 2.2",)
+    ...     def _patches(self, **kwargs):
+    ...         return [InitPatch("argparse", "ArgumentParser", made.append)]
     >>> Demo() is Demo(), Demo().instrument(), Demo().instrument(), Demo().is_instrumented
     (True, True, False, True)
-    >>> Demo().uninstrument()
-    True
+    >>> parser = argparse.ArgumentParser(prog="demo")
+    >>> Demo().uninstrument(), [p.prog for p in made]
+    (True, ['demo'])
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ import sys
 import threading
 import time
 import types
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from typing_extensions import Self
@@ -145,42 +145,67 @@ def check_dependencies(requirements: Collection[str]) -> DependencyConflict | No
 
 
 # -- the instrumentor ---------------------------------------------------------------------
-class Instrumentor(ABC):
+class Instrumentor:
     """The base of every integration: one instance per subclass (``LightningInstrumentor()``
     always returns the same object), idempotent :meth:`instrument` / :meth:`uninstrument`, and
     the framework requirements checked before instrumenting.
 
-    A subclass implements :meth:`instrumentation_dependencies`, :meth:`_instrument` and
-    :meth:`_uninstrument`; both of the latter take the keyword arguments given to
-    :meth:`instrument` / :meth:`uninstrument` (or to :func:`instrument_all`) and ignore those
-    they do not know. ``distribution`` names the integration's own distribution, for the
-    install hint.
+    A subclass states what differs: :attr:`instruments`, :attr:`distribution` and
+    :meth:`_patches`, the :class:`InitPatch` es that :meth:`instrument` installs and
+    :meth:`uninstrument` removes. One that needs more than class patches overrides
+    :meth:`_instrument` and :meth:`_uninstrument` instead. Each of these takes the keyword
+    arguments given to :meth:`instrument` / :meth:`uninstrument` (or to :func:`instrument_all`)
+    and ignores those it does not know.
     """
 
+    instruments: ClassVar[Collection[str]] = ()
+    """The framework requirements, e.g. ``("lightning >= 2.2",)``: the integration's
+    ``package.instruments``, the same as its ``pyproject.toml``'s ``instruments`` extra."""
     distribution: ClassVar[str | None] = None
+    """The integration's own distribution (``"perfsdk-lightning"``), for the install hint."""
     _instances: ClassVar[dict[type[Instrumentor], Instrumentor]] = {}
     _is_instrumented: bool
+    _installed: list[InitPatch]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if cls is Instrumentor:
+            raise TypeError("Instrumentor is the base of an integration's instrumentor: "
+                            "subclass it")
         with _lock:
             instance = Instrumentor._instances.get(cls)
             if instance is None:
                 instance = super().__new__(cls)
                 instance._is_instrumented = False
+                instance._installed = []
                 Instrumentor._instances[cls] = instance
             return instance  # type: ignore[return-value]
 
-    @abstractmethod
     def instrumentation_dependencies(self) -> Collection[str]:
-        """The framework requirements, e.g. ``("lightning >= 2.2",)`` (``package._instruments``)."""
+        """The framework requirements checked before instrumenting: :attr:`instruments`."""
+        return self.instruments
 
-    @abstractmethod
+    def _patches(self, **kwargs: Any) -> Iterable[InitPatch]:
+        """The class patches that instrument the framework (none here): read the options in
+        ``kwargs`` (a bad value raises ValueError), patch nothing yet. An ImportError means the
+        framework cannot be imported (skipped)."""
+        return ()
+
     def _instrument(self, **kwargs: Any) -> None:
-        """Instrument the framework. An ImportError means it cannot be imported (skipped)."""
+        """Instrument the framework: install :meth:`_patches`. An ImportError means it cannot
+        be imported (skipped)."""
+        self._installed = list(self._patches(**kwargs))
+        try:
+            for patch in self._installed:
+                patch.install()
+        except BaseException:
+            self._uninstrument()  # none left half done
+            raise
 
-    @abstractmethod
     def _uninstrument(self, **kwargs: Any) -> None:
-        """Undo :meth:`_instrument`."""
+        """Undo :meth:`_instrument`: remove the patches it installed, the last first."""
+        patches, self._installed = self._installed, []
+        for patch in reversed(patches):
+            patch.remove()
 
     @property
     def is_instrumented(self) -> bool:

@@ -112,3 +112,40 @@ def test_instrument_all_with_the_real_integrations() -> None:
         for result in results.values():
             if result.instrumented and result.instrumentor is not None:
                 result.instrumentor.uninstrument()
+
+
+def test_the_base_installs_and_removes_the_patches_of_a_subclass() -> None:
+    """A subclass that states its requirements and its InitPatches alone."""
+    import argparse
+
+    made: list[str] = []
+
+    class Patching(inst.Instrumentor):
+        instruments = ("torch >= 2.2",)
+        distribution = "perfsdk-patching"
+
+        def _patches(self, **kwargs: Any) -> list[inst.InitPatch]:
+            if kwargs.get("report") not in (None, True, False):
+                raise ValueError("report")
+            return [inst.InitPatch("argparse", "ArgumentParser",
+                                   lambda parser: made.append(parser.prog))]
+
+    original = argparse.ArgumentParser.__dict__["__init__"]
+    assert Patching().instrumentation_dependencies() == ("torch >= 2.2",)
+    with pytest.raises(ValueError, match="report"):
+        Patching().instrument(report="yes")
+    assert not Patching().is_instrumented
+    assert Patching().instrument(report=False) is True
+    argparse.ArgumentParser(prog="one")
+    assert Patching().uninstrument() is True
+    argparse.ArgumentParser(prog="two")
+    assert made == ["one"]
+    assert argparse.ArgumentParser.__dict__["__init__"] is original
+    Patching.instruments = ("no-such-distribution >= 1",)
+    with pytest.raises(ImportError, match="pip install 'perfsdk-patching"):
+        Patching().instrument(raise_on_missing=True)
+
+
+def test_the_base_itself_is_not_an_instrumentor() -> None:
+    with pytest.raises(TypeError, match="subclass it"):
+        inst.Instrumentor()
