@@ -14,6 +14,9 @@ Modelled on opentelemetry-instrumentation's ``BaseInstrumentor`` and its depende
   ``pyproject.toml`` declare, and instruments every one whose framework is installed.
 - :class:`InitPatch`: runs a function after each construction of a framework class (give every
   ``Trainer`` a callback), patching the class only once its module is imported.
+- :data:`FRAMEWORK_STEPS`: an integration's callback says there when the framework's loop
+  draws the training steps, and ``perfsdk run``'s own step, backward and optimizer regions step
+  aside meanwhile.
 - :class:`RunReport`: the regions of one training run, then perfsdk's summary of them and the
   advisor's findings (what the callbacks print when training ends).
 
@@ -43,6 +46,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
@@ -54,8 +58,9 @@ if TYPE_CHECKING:
     from perfsdk.advisor import Advice
     from perfsdk.record import RegionResult
 
-__all__ = ["ENTRY_POINT_GROUP", "DependencyConflict", "InitPatch", "InstrumentResult",
-           "Instrumentor", "RunReport", "check_dependencies", "instrument_all"]
+__all__ = ["ENTRY_POINT_GROUP", "FRAMEWORK_STEPS", "DependencyConflict", "FrameworkSteps",
+           "InitPatch", "InstrumentResult", "Instrumentor", "RunReport", "check_dependencies",
+           "instrument_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -419,6 +424,82 @@ class InitPatch:
 
             cls.__init__ = __init__
             self._undo = (cls, original)
+
+
+class FrameworkSteps:
+    """Whether a framework's loop draws the training steps now (:data:`FRAMEWORK_STEPS`).
+
+    An integration's callback calls :meth:`begin` when the framework's run starts (Lightning's
+    ``setup``, the Hugging Face Trainer's ``on_train_begin``) and :meth:`end` when it ends or
+    fails. Meanwhile :attr:`active` is True and ``perfsdk run``'s own patches step aside: no
+    ``step`` at each DataLoader batch, no ``backward`` or ``optimizer`` region (the callback's
+    regions time those), so that each step's phases are counted once. Lightning's
+    ``optimizer.step()`` call, for one, holds the whole closure (forward and backward): timed as
+    well, it would count the optimizer twice. The model's forward call and the ``data_wait``
+    regions stay: no callback times those.
+
+    Process-wide, as :data:`perfsdk.auto.STEPS` is. Each owner counts once; one that is garbage
+    collected without :meth:`end` (a run that raised, and its trainer dropped) ends then.
+    Modelled on opentelemetry-instrumentation's ``suppress_instrumentation``, by which a
+    higher-level instrumentation keeps a lower one from recording the same operation.
+
+    Example:
+        >>> from perfsdk.instrumentor import FRAMEWORK_STEPS
+        >>> class Callback:  # a framework callback
+        ...     def on_train_begin(self):
+        ...         FRAMEWORK_STEPS.begin(self)
+        ...     def on_train_end(self):
+        ...         FRAMEWORK_STEPS.end(self)
+        >>> callback = Callback()
+        >>> callback.on_train_begin(); FRAMEWORK_STEPS.active
+        True
+        >>> callback.on_train_end(); FRAMEWORK_STEPS.active
+        False
+    """
+
+    __slots__ = ("_owners", "active")
+
+    def __init__(self) -> None:
+        self.active = False
+        """Whether some owner has begun and not ended: one attribute read on the hot path."""
+        self._owners: dict[int, Callable[[], object | None]] = {}
+
+    def begin(self, owner: object) -> None:
+        """``owner`` (a callback) draws the steps from now on, until :meth:`end`."""
+        key = id(owner)
+        with _lock:
+            known = self._owners.get(key)
+            if known is None or known() is not owner:
+                ref: Callable[[], object | None]
+                try:
+                    ref = weakref.ref(owner, functools.partial(self._gone, key))
+                except TypeError:  # no weak reference to it: kept until end()
+                    ref = functools.partial(_same, owner)
+                self._owners[key] = ref
+            self.active = True
+
+    def end(self, owner: object) -> None:
+        """``owner`` draws no steps any more; idempotent."""
+        with _lock:
+            known = self._owners.get(id(owner))
+            if known is not None and known() is owner:
+                del self._owners[id(owner)]
+            self.active = bool(self._owners)
+
+    def _gone(self, key: int, ref: object) -> None:
+        with _lock:
+            if self._owners.get(key) is ref:
+                del self._owners[key]
+            self.active = bool(self._owners)
+
+
+def _same(owner: object) -> object:
+    return owner
+
+
+FRAMEWORK_STEPS = FrameworkSteps()
+"""Set while a framework integration's callback draws the training steps: ``perfsdk run``'s
+patches read :attr:`FrameworkSteps.active` and step aside."""
 
 
 class RunReport:

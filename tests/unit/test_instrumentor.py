@@ -149,3 +149,44 @@ def test_the_base_installs_and_removes_the_patches_of_a_subclass() -> None:
 def test_the_base_itself_is_not_an_instrumentor() -> None:
     with pytest.raises(TypeError, match="subclass it"):
         inst.Instrumentor()
+
+
+class _Owner:
+    pass
+
+
+class _Slotted:
+    __slots__ = ()  # no weak reference to it
+
+
+def test_framework_steps_by_owner() -> None:
+    steps = inst.FrameworkSteps()
+    first, second, slotted = _Owner(), _Owner(), _Slotted()
+    assert not steps.active
+    steps.begin(first)
+    steps.begin(first)  # each owner counts once
+    steps.begin(second)
+    steps.end(first)
+    assert steps.active  # the second still draws the steps
+    steps.end(second)
+    steps.end(second)  # idempotent
+    assert not steps.active
+    steps.begin(slotted)
+    assert steps.active
+    steps.end(slotted)
+    assert not steps.active
+    steps.end(_Owner())  # never began: nothing
+    assert not steps.active
+
+
+def test_framework_steps_end_with_a_collected_owner() -> None:
+    """A run that raised before its end hook, and its trainer (the callback) dropped."""
+    import gc
+
+    steps = inst.FrameworkSteps()
+    owner = _Owner()
+    steps.begin(owner)
+    del owner
+    gc.collect()
+    assert not steps.active
+    assert inst.FRAMEWORK_STEPS.active is False  # the process-wide one, outside any run
