@@ -5,30 +5,34 @@ Modelled on opentelemetry-instrumentation's ``BaseInstrumentor`` and its depende
 
 - :class:`Instrumentor`: one instance per class; :meth:`~Instrumentor.instrument` and
   :meth:`~Instrumentor.uninstrument` are idempotent (a second call logs and does nothing); the
-  framework requirements of :meth:`~Instrumentor.instrumentation_dependencies` (the integration's
-  ``_instruments``, e.g. ``"lightning >= 2.2"``) are checked at run time, and a missing or too
-  old framework is skipped with the reason, never raised into the program unless asked for
-  (``raise_on_missing=True``).
+  framework requirements (the integration's ``instruments``, e.g. ``"lightning >= 2.2"``) are
+  checked at run time, and a missing or too old framework is skipped with the reason, never
+  raised into the program unless asked for (``raise_on_missing=True``). An integration states
+  only what differs: its ``instruments``, its ``distribution`` and the :class:`InitPatch` es
+  that instrumenting installs (``_patches``).
 - :func:`instrument_all`: reads the ``perfsdk_integrations`` entry points that the integrations'
   ``pyproject.toml`` declare, and instruments every one whose framework is installed.
 - :class:`InitPatch`: runs a function after each construction of a framework class (give every
   ``Trainer`` a callback), patching the class only once its module is imported.
+- :data:`FRAMEWORK_STEPS`: an integration's callback says there when the framework's loop
+  draws the training steps, and ``perfsdk run``'s own step, backward and optimizer regions step
+  aside meanwhile.
 - :class:`RunReport`: the regions of one training run, then perfsdk's summary of them and the
   advisor's findings (what the callbacks print when training ends).
 
 Example:
-    >>> from perfsdk.instrumentor import Instrumentor
+    >>> import argparse
+    >>> from perfsdk.instrumentor import InitPatch, Instrumentor
+    >>> made = []
     >>> class Demo(Instrumentor):
-    ...     def instrumentation_dependencies(self):
-    ...         return ("torch >= 2.2",)
-    ...     def _instrument(self, **kwargs):
-    ...         pass
-    ...     def _uninstrument(self, **kwargs):
-    ...         pass
+    ...     instruments = ("torch >= 2.2",)
+    ...     def _patches(self, **kwargs):
+    ...         return [InitPatch("argparse", "ArgumentParser", made.append)]
     >>> Demo() is Demo(), Demo().instrument(), Demo().instrument(), Demo().is_instrumented
     (True, True, False, True)
-    >>> Demo().uninstrument()
-    True
+    >>> parser = argparse.ArgumentParser(prog="demo")
+    >>> Demo().uninstrument(), [p.prog for p in made]
+    (True, ['demo'])
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ import sys
 import threading
 import time
 import types
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+import weakref
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 from typing_extensions import Self
@@ -54,8 +58,9 @@ if TYPE_CHECKING:
     from perfsdk.advisor import Advice
     from perfsdk.record import RegionResult
 
-__all__ = ["ENTRY_POINT_GROUP", "DependencyConflict", "InitPatch", "InstrumentResult",
-           "Instrumentor", "RunReport", "check_dependencies", "instrument_all"]
+__all__ = ["ENTRY_POINT_GROUP", "FRAMEWORK_STEPS", "DependencyConflict", "FrameworkSteps",
+           "InitPatch", "InstrumentResult", "Instrumentor", "RunReport", "check_dependencies",
+           "instrument_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,42 +150,67 @@ def check_dependencies(requirements: Collection[str]) -> DependencyConflict | No
 
 
 # -- the instrumentor ---------------------------------------------------------------------
-class Instrumentor(ABC):
+class Instrumentor:
     """The base of every integration: one instance per subclass (``LightningInstrumentor()``
     always returns the same object), idempotent :meth:`instrument` / :meth:`uninstrument`, and
     the framework requirements checked before instrumenting.
 
-    A subclass implements :meth:`instrumentation_dependencies`, :meth:`_instrument` and
-    :meth:`_uninstrument`; both of the latter take the keyword arguments given to
-    :meth:`instrument` / :meth:`uninstrument` (or to :func:`instrument_all`) and ignore those
-    they do not know. ``distribution`` names the integration's own distribution, for the
-    install hint.
+    A subclass states what differs: :attr:`instruments`, :attr:`distribution` and
+    :meth:`_patches`, the :class:`InitPatch` es that :meth:`instrument` installs and
+    :meth:`uninstrument` removes. One that needs more than class patches overrides
+    :meth:`_instrument` and :meth:`_uninstrument` instead. Each of these takes the keyword
+    arguments given to :meth:`instrument` / :meth:`uninstrument` (or to :func:`instrument_all`)
+    and ignores those it does not know.
     """
 
+    instruments: ClassVar[Collection[str]] = ()
+    """The framework requirements, e.g. ``("lightning >= 2.2",)``: the integration's
+    ``package.instruments``, the same as its ``pyproject.toml``'s ``instruments`` extra."""
     distribution: ClassVar[str | None] = None
+    """The integration's own distribution (``"perfsdk-lightning"``), for the install hint."""
     _instances: ClassVar[dict[type[Instrumentor], Instrumentor]] = {}
     _is_instrumented: bool
+    _installed: list[InitPatch]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if cls is Instrumentor:
+            raise TypeError("Instrumentor is the base of an integration's instrumentor: "
+                            "subclass it")
         with _lock:
             instance = Instrumentor._instances.get(cls)
             if instance is None:
                 instance = super().__new__(cls)
                 instance._is_instrumented = False
+                instance._installed = []
                 Instrumentor._instances[cls] = instance
             return instance  # type: ignore[return-value]
 
-    @abstractmethod
     def instrumentation_dependencies(self) -> Collection[str]:
-        """The framework requirements, e.g. ``("lightning >= 2.2",)`` (``package._instruments``)."""
+        """The framework requirements checked before instrumenting: :attr:`instruments`."""
+        return self.instruments
 
-    @abstractmethod
+    def _patches(self, **kwargs: Any) -> Iterable[InitPatch]:
+        """The class patches that instrument the framework (none here): read the options in
+        ``kwargs`` (a bad value raises ValueError), patch nothing yet. An ImportError means the
+        framework cannot be imported (skipped)."""
+        return ()
+
     def _instrument(self, **kwargs: Any) -> None:
-        """Instrument the framework. An ImportError means it cannot be imported (skipped)."""
+        """Instrument the framework: install :meth:`_patches`. An ImportError means it cannot
+        be imported (skipped)."""
+        self._installed = list(self._patches(**kwargs))
+        try:
+            for patch in self._installed:
+                patch.install()
+        except BaseException:
+            self._uninstrument()  # none left half done
+            raise
 
-    @abstractmethod
     def _uninstrument(self, **kwargs: Any) -> None:
-        """Undo :meth:`_instrument`."""
+        """Undo :meth:`_instrument`: remove the patches it installed, the last first."""
+        patches, self._installed = self._installed, []
+        for patch in reversed(patches):
+            patch.remove()
 
     @property
     def is_instrumented(self) -> bool:
@@ -394,6 +424,82 @@ class InitPatch:
 
             cls.__init__ = __init__
             self._undo = (cls, original)
+
+
+class FrameworkSteps:
+    """Whether a framework's loop draws the training steps now (:data:`FRAMEWORK_STEPS`).
+
+    An integration's callback calls :meth:`begin` when the framework's run starts (Lightning's
+    ``setup``, the Hugging Face Trainer's ``on_train_begin``) and :meth:`end` when it ends or
+    fails. Meanwhile :attr:`active` is True and ``perfsdk run``'s own patches step aside: no
+    ``step`` at each DataLoader batch, no ``backward`` or ``optimizer`` region (the callback's
+    regions time those), so that each step's phases are counted once. Lightning's
+    ``optimizer.step()`` call, for one, holds the whole closure (forward and backward): timed as
+    well, it would count the optimizer twice. The model's forward call and the ``data_wait``
+    regions stay: no callback times those.
+
+    Process-wide, as :data:`perfsdk.auto.STEPS` is. Each owner counts once; one that is garbage
+    collected without :meth:`end` (a run that raised, and its trainer dropped) ends then.
+    Modelled on opentelemetry-instrumentation's ``suppress_instrumentation``, by which a
+    higher-level instrumentation keeps a lower one from recording the same operation.
+
+    Example:
+        >>> from perfsdk.instrumentor import FRAMEWORK_STEPS
+        >>> class Callback:  # a framework callback
+        ...     def on_train_begin(self):
+        ...         FRAMEWORK_STEPS.begin(self)
+        ...     def on_train_end(self):
+        ...         FRAMEWORK_STEPS.end(self)
+        >>> callback = Callback()
+        >>> callback.on_train_begin(); FRAMEWORK_STEPS.active
+        True
+        >>> callback.on_train_end(); FRAMEWORK_STEPS.active
+        False
+    """
+
+    __slots__ = ("_owners", "active")
+
+    def __init__(self) -> None:
+        self.active = False
+        """Whether some owner has begun and not ended: one attribute read on the hot path."""
+        self._owners: dict[int, Callable[[], object | None]] = {}
+
+    def begin(self, owner: object) -> None:
+        """``owner`` (a callback) draws the steps from now on, until :meth:`end`."""
+        key = id(owner)
+        with _lock:
+            known = self._owners.get(key)
+            if known is None or known() is not owner:
+                ref: Callable[[], object | None]
+                try:
+                    ref = weakref.ref(owner, functools.partial(self._gone, key))
+                except TypeError:  # no weak reference to it: kept until end()
+                    ref = functools.partial(_same, owner)
+                self._owners[key] = ref
+            self.active = True
+
+    def end(self, owner: object) -> None:
+        """``owner`` draws no steps any more; idempotent."""
+        with _lock:
+            known = self._owners.get(id(owner))
+            if known is not None and known() is owner:
+                del self._owners[id(owner)]
+            self.active = bool(self._owners)
+
+    def _gone(self, key: int, ref: object) -> None:
+        with _lock:
+            if self._owners.get(key) is ref:
+                del self._owners[key]
+            self.active = bool(self._owners)
+
+
+def _same(owner: object) -> object:
+    return owner
+
+
+FRAMEWORK_STEPS = FrameworkSteps()
+"""Set while a framework integration's callback draws the training steps: ``perfsdk run``'s
+patches read :attr:`FrameworkSteps.active` and step aside."""
 
 
 class RunReport:

@@ -9,6 +9,11 @@ While :class:`RunPatches` is installed:
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
   region.
 
+While a framework integration's callback draws the steps (Lightning's, the Hugging Face
+Trainer's: :data:`perfsdk.instrumentor.FRAMEWORK_STEPS`), the batches start no step and
+``backward()`` and ``step()`` run unrecorded: the callback's own regions time the steps and their
+phases, each once. The ``data_wait`` and module regions stay.
+
 The first three are wrapt wrappers on the classes (``FunctionWrapper``), restored by
 :meth:`RunPatches.remove`. The module call is patched with a plain Python function instead:
 ``torch.compile`` inlines a Python function through ``Module.__call__`` and steps over it
@@ -41,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from perfsdk.auto.dataloader import DataWaitIterator
 from perfsdk.auto.steps import STEPS
 from perfsdk.context import current_span
+from perfsdk.instrumentor import FRAMEWORK_STEPS
 from perfsdk.region import Region
 from perfsdk.timing import timed_region
 
@@ -71,8 +77,8 @@ class _Batches:
         return self
 
     def __next__(self) -> Any:
-        if STEPS.explicit:  # the script marks its own steps: leave that to it
-            return next(self._inner)
+        if STEPS.explicit or FRAMEWORK_STEPS.active:  # the script or a framework draws the
+            return next(self._inner)                   # steps: leave them to it
         if self._length is not None and self._seen >= self._length:
             STEPS.end()  # the end of the epoch: no step of its own
             return next(self._inner)
@@ -190,15 +196,18 @@ def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
 def _region_wrapper(region: timed_region, name: str) -> Callable[..., Any]:
     """A wrapt wrapper running the call in ``region`` (named ``name``), once: a call inside the
     same wrapper (``Tensor.backward`` calls itself again through ``__torch_function__`` while a
-    torch function mode is on, e.g. a ``no_sync_guard``), or inside a region of the same name
-    that a framework integration opened around it, runs as it is."""
+    torch function mode is on, e.g. a ``no_sync_guard``), inside a region of the same name that
+    the script or an integration opened around it, or while a framework's callback draws the
+    steps, runs as it is."""
     inside: contextvars.ContextVar[bool] = contextvars.ContextVar(f"perfsdk_run_{region!r}",
                                                                   default=False)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
+        if FRAMEWORK_STEPS.active or inside.get():
+            return wrapped(*args, **kwargs)
         current = current_span()
-        if inside.get() or (isinstance(current, Region) and current.name == name):
+        if isinstance(current, Region) and current.name == name:
             return wrapped(*args, **kwargs)
         token = inside.set(True)
         try:

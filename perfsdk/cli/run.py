@@ -2,11 +2,12 @@
 
 ``run`` executes an unmodified script as ``python SCRIPT ARGS`` would (``sys.argv``,
 ``sys.path[0]``, ``__name__ == "__main__"``) with :class:`~perfsdk.cli.patches.RunPatches`
-installed, so its DataLoader iteration, forward, backward and optimizer steps become regions;
-then prints the summary and the advisor's findings, and keeps the run in the output directory:
-the Perfetto trace, the spans (JSON lines) and ``run.json``, which ``report`` renders again.
-The script's own exit code is the command's; an exception it raises prints its traceback (the
-script's frames, not perfsdk's) and exits 1, as Python does.
+installed, so its DataLoader iteration, forward, backward and optimizer steps become regions
+(a Lightning or Hugging Face Trainer's steps are the installed integrations' instead:
+:func:`perfsdk.instrument_all`); then prints the summary and the advisor's findings, and keeps
+the run in the output directory: the Perfetto trace, the spans (JSON lines) and ``run.json``,
+which ``report`` renders again. The script's own exit code is the command's; an exception it
+raises prints its traceback (the script's frames, not perfsdk's) and exits 1, as Python does.
 """
 
 from __future__ import annotations
@@ -113,10 +114,11 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     started = time.perf_counter()
     with RunRecorder() as recorder:
         patches = RunPatches().install()
-        # Not perfsdk.instrument_all() yet: under Lightning, the run's own optimizer.step()
-        # region holds Lightning's whole closure and the callback's regions would nest inside
-        # it, counting the optimizer twice. The integrations join `perfsdk run` once these
-        # patches step aside while a framework's callback drives the steps.
+        # The installed integrations (Lightning, Hugging Face): their callbacks time the
+        # framework's steps and phases, and the patches step aside meanwhile
+        # (FRAMEWORK_STEPS). No report of their own: the run's follows.
+        frameworks = [r.instrumentor for r in perfsdk.instrument_all(report=False)
+                      if r.instrumented and r.instrumentor is not None]
         try:
             with _sync_guard(syncs):
                 runpy.run_path(str(path), run_name="__main__")
@@ -129,6 +131,9 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
             _print_traceback(exc, path, err)
             code = 1
         finally:
+            for instrumentor in frameworks:
+                if instrumentor.is_instrumented:  # unless the script undid it
+                    instrumentor.uninstrument()
             patches.remove()
             sys.argv, sys.path[:] = saved_argv, saved_path
         wall_s = time.perf_counter() - started

@@ -3,6 +3,7 @@ them: a subprocess, real files, the script's own exit code and traceback."""
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import json
 import os
 import subprocess
@@ -11,14 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from perfsdk.cli.runfile import load_run
+from perfsdk.instrumentor import ENTRY_POINT_GROUP
+
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "examples" / "lab_unoptimized.py"
+SCRIPTS = Path(__file__).resolve().parent / "_scripts"
 ITEM_LINE = next(i for i, line in enumerate(LAB.read_text().splitlines(), 1)
                  if "total += loss.item()" in line)
 
 
 def perfsdk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PERFSDK_", "OTEL_"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # nothing fetched from the Hub
     return subprocess.run([sys.executable, "-m", "perfsdk.cli", *args], capture_output=True,
                           text=True, timeout=180, cwd=cwd, env=env, check=False)
 
@@ -113,6 +119,44 @@ def test_run_defers_to_the_scripts_own_instrumentation(tmp_path) -> None:
     assert rows["data_wait"] == rows["backward"] == rows["optimizer"] == 6
     assert rows["SimpleNet.forward"] == rows["SimpleNet"] == 6
     assert rows["step"] == 7  # the script's 6, and the first batch's wait before its first
+
+
+@pytest.mark.parametrize(("framework", "script", "expected", "phases"), [
+    ("lightning", "lightning_fit.py",
+     {"epoch": 2, "step": 6, "forward": 6, "backward": 6, "optimizer": 6, "validation": 1,
+      "sanity_check": 1, "Tiny.forward": 10},  # the model: 6 steps, 2 + 2 validation batches
+     ("forward", "backward", "optimizer")),
+    ("transformers", "hf_train.py",
+     {"epoch": 2, "step": 4, "microbatch": 8, "optimizer": 4,
+      "BertForSequenceClassification.forward": 8},  # 2 micro-batches a step
+     ("microbatch", "optimizer")),
+])
+def test_a_trainer_gets_each_step_and_its_optimizer_once(tmp_path, framework, script,
+                                                         expected, phases) -> None:
+    """An unmodified Lightning or Hugging Face Trainer script: ``perfsdk.instrument_all()``
+    gives the Trainer the integration's callback, and the run's own patches step aside while it
+    draws the steps. Lightning's ``optimizer.step()`` holds the whole closure: timed by the
+    patches as well, each step had two ``optimizer`` regions, and the sanity check's batches
+    were steps."""
+    pytest.importorskip(framework)
+    if not any(ep.name == framework for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)):
+        pytest.skip(f"perfsdk-{framework} is not installed: run reads its entry point")
+    proc = perfsdk("run", "--output-dir", str(tmp_path / "out"), str(SCRIPTS / script),
+                   str(tmp_path / "trainer"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"optimizer steps: {expected['step']}" in proc.stdout
+    assert " ended after " not in proc.stdout  # no report of the callback's: the run's alone
+    run = load_run(tmp_path / "out")
+    names = [r.name for r in run.regions]
+    counts = {name: names.count(name) for name in set(names)}
+    assert {row.name: row.count for row in run.summary.rows} == counts
+    waits = counts.pop("data_wait")
+    assert counts == expected
+    assert waits >= expected["step"]
+    by_id = {r.span_id: r for r in run.regions}
+    for region in run.regions:  # each phase once, inside its step
+        if region.name in phases:
+            assert by_id[region.parent_span_id].name == "step", region.name
 
 
 def write(tmp_path: Path, code: str) -> Path:

@@ -112,3 +112,81 @@ def test_instrument_all_with_the_real_integrations() -> None:
         for result in results.values():
             if result.instrumented and result.instrumentor is not None:
                 result.instrumentor.uninstrument()
+
+
+def test_the_base_installs_and_removes_the_patches_of_a_subclass() -> None:
+    """A subclass that states its requirements and its InitPatches alone."""
+    import argparse
+
+    made: list[str] = []
+
+    class Patching(inst.Instrumentor):
+        instruments = ("torch >= 2.2",)
+        distribution = "perfsdk-patching"
+
+        def _patches(self, **kwargs: Any) -> list[inst.InitPatch]:
+            if kwargs.get("report") not in (None, True, False):
+                raise ValueError("report")
+            return [inst.InitPatch("argparse", "ArgumentParser",
+                                   lambda parser: made.append(parser.prog))]
+
+    original = argparse.ArgumentParser.__dict__["__init__"]
+    assert Patching().instrumentation_dependencies() == ("torch >= 2.2",)
+    with pytest.raises(ValueError, match="report"):
+        Patching().instrument(report="yes")
+    assert not Patching().is_instrumented
+    assert Patching().instrument(report=False) is True
+    argparse.ArgumentParser(prog="one")
+    assert Patching().uninstrument() is True
+    argparse.ArgumentParser(prog="two")
+    assert made == ["one"]
+    assert argparse.ArgumentParser.__dict__["__init__"] is original
+    Patching.instruments = ("no-such-distribution >= 1",)
+    with pytest.raises(ImportError, match="pip install 'perfsdk-patching"):
+        Patching().instrument(raise_on_missing=True)
+
+
+def test_the_base_itself_is_not_an_instrumentor() -> None:
+    with pytest.raises(TypeError, match="subclass it"):
+        inst.Instrumentor()
+
+
+class _Owner:
+    pass
+
+
+class _Slotted:
+    __slots__ = ()  # no weak reference to it
+
+
+def test_framework_steps_by_owner() -> None:
+    steps = inst.FrameworkSteps()
+    first, second, slotted = _Owner(), _Owner(), _Slotted()
+    assert not steps.active
+    steps.begin(first)
+    steps.begin(first)  # each owner counts once
+    steps.begin(second)
+    steps.end(first)
+    assert steps.active  # the second still draws the steps
+    steps.end(second)
+    steps.end(second)  # idempotent
+    assert not steps.active
+    steps.begin(slotted)
+    assert steps.active
+    steps.end(slotted)
+    assert not steps.active
+    steps.end(_Owner())  # never began: nothing
+    assert not steps.active
+
+
+def test_framework_steps_end_with_a_collected_owner() -> None:
+    """A run that raised before its end hook, and its trainer (the callback) dropped."""
+    import gc
+
+    steps = inst.FrameworkSteps()
+    owner = _Owner()
+    steps.begin(owner)
+    del owner
+    gc.collect()
+    assert not steps.active
+    assert inst.FRAMEWORK_STEPS.active is False  # the process-wide one, outside any run

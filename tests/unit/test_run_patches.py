@@ -145,3 +145,31 @@ def test_a_compiled_model_is_one_graph_under_the_patches() -> None:
     torch.testing.assert_close(out, model(x))
     assert len(graphs) == 1  # the patched Module.__call__ caused no graph break
     assert [r.name for r in cap.regions] == ["Sequential.forward"]
+
+
+class _Callback:
+    """Stands for a framework integration's callback."""
+
+
+def test_the_patches_step_aside_while_a_framework_draws_the_steps() -> None:
+    """While FRAMEWORK_STEPS is held, a batch starts no step and backward() and step() record
+    nothing (the callback's regions time those); the wait and the model's call stay. After
+    end(), the same loop gets every region again."""
+    from perfsdk.instrumentor import FRAMEWORK_STEPS
+
+    callback = _Callback()
+    with RunPatches():
+        FRAMEWORK_STEPS.begin(callback)
+        try:
+            with capture() as framework:
+                train(torch.optim.SGD, 0)
+        finally:
+            FRAMEWORK_STEPS.end(callback)
+        with capture() as plain:
+            train(torch.optim.SGD, 0)
+    names = [r.name for r in framework.regions]
+    assert sorted(set(names)) == ["Sequential.forward", "data_wait"]
+    assert names.count("Sequential.forward") == names.count("data_wait") == 3
+    names = [r.name for r in plain.regions]
+    assert {n: names.count(n) for n in set(names)} == {
+        "step": 3, "data_wait": 3, "Sequential.forward": 3, "backward": 3, "optimizer": 3}

@@ -16,12 +16,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from perfsdk.instrumentor import InitPatch, Instrumentor
+from perfsdk_lightning import package
 from perfsdk_lightning.options import check_options
-from perfsdk_lightning.package import instruments
 from perfsdk_lightning.version import __version__
 
 if TYPE_CHECKING:
@@ -37,15 +37,9 @@ class LightningInstrumentor(Instrumentor):
     (``batch_size``, ``memory``, ``report``) and ignores others."""
 
     distribution = "perfsdk-lightning"
+    instruments = package.instruments
 
-    def __init__(self) -> None:
-        if not hasattr(self, "_patch"):
-            self._patch: InitPatch | None = None
-
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return instruments
-
-    def _instrument(self, **kwargs: Any) -> None:
+    def _patches(self, **kwargs: Any) -> list[InitPatch]:
         options = {k: kwargs[k] for k in ("batch_size", "memory", "report") if k in kwargs}
         check_options("instrument", **{"batch_size": None, "memory": None, "report": True,
                                        **options})
@@ -57,13 +51,7 @@ class LightningInstrumentor(Instrumentor):
             if not any(isinstance(cb, PerfsdkCallback) for cb in callbacks):
                 callbacks.append(PerfsdkCallback(**options))
 
-        self._patch = InitPatch("lightning.pytorch.trainer.trainer", "Trainer", add_callback)
-        self._patch.install()
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        if self._patch is not None:
-            self._patch.remove()
-            self._patch = None
+        return [InitPatch("lightning.pytorch.trainer.trainer", "Trainer", add_callback)]
 
 
 def instrument(*, batch_size: int | Callable[[Any], int] | None = None,

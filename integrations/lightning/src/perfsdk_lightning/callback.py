@@ -14,6 +14,10 @@
   own, ``sanity_check`` (``eval``), so that ``validation`` counts the real runs alone;
 - ``epoch`` (``epoch``): each training epoch.
 
+From ``setup`` to ``teardown`` (or ``on_exception``) it holds
+:data:`perfsdk.instrumentor.FRAMEWORK_STEPS`: Lightning draws the steps, and ``perfsdk run``'s own
+step, backward and optimizer regions step aside.
+
 At the end of ``fit`` it prints perfsdk's summary of the fit's regions and the advisor's
 findings (``report=False`` turns that off; only the global rank 0 prints, and nothing is printed
 while perfsdk is disabled).
@@ -40,7 +44,7 @@ from lightning.pytorch.callbacks import Callback
 from perfsdk import Region, RegionResult, get_config, timed_region
 from perfsdk.auto import STEPS, Step
 from perfsdk.errors import warn_once
-from perfsdk.instrumentor import RunReport
+from perfsdk.instrumentor import FRAMEWORK_STEPS, RunReport
 from perfsdk_lightning.options import check_options
 
 __all__ = ("PerfsdkCallback",)
@@ -172,6 +176,9 @@ class PerfsdkCallback(Callback):
         self._report.finish(title)
 
     # -- Lightning's hooks ------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        FRAMEWORK_STEPS.begin(self)  # Lightning draws the steps: `perfsdk run` steps aside
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             self._report.stop()  # a fit that raised never reached its end
@@ -263,6 +270,7 @@ class PerfsdkCallback(Callback):
         try:
             self._close_all(exception)
             self._report.stop()  # the user's traceback follows: no report
+            FRAMEWORK_STEPS.end(self)
         except Exception as exc:
             _failed(exc)
 
@@ -273,4 +281,6 @@ class PerfsdkCallback(Callback):
                 self._print_report(trainer)
         except Exception as exc:
             _failed(exc)
+        finally:
+            FRAMEWORK_STEPS.end(self)
 

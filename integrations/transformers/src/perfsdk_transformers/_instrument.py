@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Collection
 from typing import Any
 
 from perfsdk.instrumentor import InitPatch, Instrumentor
-from perfsdk_transformers.package import instruments
+from perfsdk_transformers import package
 
 __all__ = ["TransformersInstrumentor", "instrument", "is_instrumented", "uninstrument"]
 
@@ -25,15 +24,9 @@ class TransformersInstrumentor(Instrumentor):
     other keyword arguments."""
 
     distribution = "perfsdk-transformers"
+    instruments = package.instruments
 
-    def __init__(self) -> None:
-        if not hasattr(self, "_patch"):
-            self._patch: InitPatch | None = None
-
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return instruments
-
-    def _instrument(self, **kwargs: Any) -> None:
+    def _patches(self, **kwargs: Any) -> list[InitPatch]:
         report = kwargs.get("report", True)
         _check_report(report)
         if importlib.util.find_spec("transformers") is None:  # installed, but not importable
@@ -48,13 +41,7 @@ class TransformersInstrumentor(Instrumentor):
             ):
                 trainer.add_callback(PerfsdkCallback(report=report))
 
-        self._patch = InitPatch("transformers.trainer", "Trainer", add_callback)
-        self._patch.install()
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        if self._patch is not None:
-            self._patch.remove()
-            self._patch = None
+        return [InitPatch("transformers.trainer", "Trainer", add_callback)]
 
 
 def instrument(*, report: bool = True) -> None:

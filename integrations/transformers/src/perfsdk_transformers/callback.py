@@ -27,6 +27,10 @@ Regions stay balanced: each event first closes whatever a previous run left open
 region it opens (a ``train()`` that raised never reaches ``on_train_end``); such regions get
 ``perfsdk.unfinished=True``. perfsdk's own failures warn once and never stop training.
 
+From ``on_train_begin`` to ``on_train_end`` (or :meth:`PerfsdkCallback.close`) it holds
+:data:`perfsdk.instrumentor.FRAMEWORK_STEPS`: the Trainer draws the steps, and ``perfsdk run``'s
+own step, backward and optimizer regions step aside.
+
 At ``on_train_end`` it prints perfsdk's summary of the training run's regions and the advisor's
 findings (``PerfsdkCallback(report=False)`` turns that off; only the world's process 0 prints,
 and nothing is printed while perfsdk is disabled).
@@ -45,7 +49,7 @@ import perfsdk
 from perfsdk import RegionResult
 from perfsdk.auto import STEPS
 from perfsdk.errors import warn_once
-from perfsdk.instrumentor import RunReport
+from perfsdk.instrumentor import FRAMEWORK_STEPS, RunReport
 
 __all__ = ["PerfsdkCallback"]
 
@@ -145,6 +149,7 @@ class PerfsdkCallback(TrainerCallback):
     def close(self) -> None:
         """Close every region still open, e.g. after ``trainer.train()`` raised (no report is
         printed for that run)."""
+        FRAMEWORK_STEPS.end(self)
         self._unwind()
         self._report.stop()
 
@@ -163,6 +168,7 @@ class PerfsdkCallback(TrainerCallback):
     @_guarded
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
+        FRAMEWORK_STEPS.begin(self)  # the Trainer draws the steps: `perfsdk run` steps aside
         self._unwind()
         self._report.stop()  # a run that raised never reached on_train_end
         if self.report and state.is_world_process_zero and perfsdk.get_config().enabled:
@@ -233,6 +239,7 @@ class PerfsdkCallback(TrainerCallback):
     @_guarded
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
+        FRAMEWORK_STEPS.end(self)
         self._unwind()
         self._print_report(state)
 
