@@ -18,8 +18,17 @@ import pytest
 
 from perfsdk.bench import RunComparison, compare_runs, compare_samples
 from perfsdk.cli import main
-from perfsdk.compare import (FASTER, MAX_CALLS, MIN_CALLS, ONLY_IN_BASE, ONLY_IN_NEW, SAME,
-                             SLOWER, TOO_FEW, WITHIN)
+from perfsdk.compare import (
+    FASTER,
+    MAX_CALLS,
+    MIN_CALLS,
+    ONLY_IN_BASE,
+    ONLY_IN_NEW,
+    SAME,
+    SLOWER,
+    TOO_FEW,
+    WITHIN,
+)
 from perfsdk.export.runfile import RUN_FILE, load_run, save_run
 from perfsdk.export.summary import Summary
 from perfsdk.record import RegionResult
@@ -82,9 +91,12 @@ def test_a_rerun_with_the_same_times_is_no_change(runs: dict[str, Path]) -> None
     step = result["step"]
     assert step.verdict == SAME
     assert step.ratio == 1.0
-    assert step.low is not None and step.high is not None and step.low <= 1.0 <= step.high
+    assert step.low is not None
+    assert step.high is not None
+    assert step.low <= 1.0 <= step.high
     assert step.base_calls == step.new_calls == 60
-    assert step.gated and not result["forward"].gated
+    assert step.gated
+    assert not result["forward"].gated
     assert not result.regressed
 
 
@@ -92,9 +104,12 @@ def test_a_clearly_slower_step_regresses(runs: dict[str, Path]) -> None:
     result = compare_runs(runs["base"], runs["slow"], fail_if_slower=10)
     step = result["step"]
     assert step.verdict == SLOWER
-    assert step.low is not None and step.low > 1.1
-    assert step.ratio is not None and step.low <= step.ratio <= (step.high or 0)
-    assert result.regressed and step.regressed
+    assert step.low is not None
+    assert step.low > 1.1
+    assert step.ratio is not None
+    assert step.low <= step.ratio <= (step.high or 0)
+    assert result.regressed
+    assert step.regressed
     assert result["forward"].verdict == SAME
     assert result.outcome().startswith("REGRESSION: step ")
 
@@ -111,7 +126,8 @@ def test_a_slowdown_within_the_threshold_is_named_but_passes(runs: dict[str, Pat
 def test_a_faster_step_passes(runs: dict[str, Path]) -> None:
     result = compare_runs(runs["base"], runs["fast"], fail_if_slower=0)
     assert result["step"].verdict == FASTER
-    assert result["step"].high is not None and result["step"].high < 1
+    assert result["step"].high is not None
+    assert result["step"].high < 1
     assert not result.regressed
     assert compare_runs(runs["fast"], runs["base"]).regressed  # and the other way round
 
@@ -128,7 +144,8 @@ def test_named_regions_are_the_gate(runs: dict[str, Path], tmp_path: Path) -> No
     assert not compare_runs(runs["base"], slow_forward).regressed  # the step held
     result = compare_runs(runs["base"], slow_forward, regions=["forward"])
     assert result.gated == ("forward",)
-    assert result.regressed and result["forward"].regressed
+    assert result.regressed
+    assert result["forward"].regressed
     assert not result["step"].gated
     assert compare_runs(runs["base"], slow_forward, regions="forward").regressed
     table_only = compare_runs(runs["base"], slow_forward, regions=())
@@ -153,15 +170,18 @@ def test_calls_that_raised_are_left_out(tmp_path: Path) -> None:
     assert compare_runs(base, new)["step"].base_calls == 60
     only_errors = save(tmp_path / "only_errors", {}, errors={"step": 10})
     result = compare_runs(base, only_errors)  # the step is there; no call of it finished
-    assert result["step"].verdict == TOO_FEW and result["step"].new_calls == 0
+    assert result["step"].verdict == TOO_FEW
+    assert result["step"].new_calls == 0
 
 
 def test_regions_in_one_run_only_are_listed_not_failed(tmp_path: Path) -> None:
     base = save(tmp_path / "base", {"step": noisy(10.0), "old": noisy(1.0)})
     new = save(tmp_path / "new", {"step": noisy(10.0, seed=1), "added": noisy(99.0)})
     result = compare_runs(base, new)
-    assert result["old"].verdict == ONLY_IN_BASE and result["old"].new_calls == 0
-    assert result["added"].verdict == ONLY_IN_NEW and result["added"].base_median_ms is None
+    assert result["old"].verdict == ONLY_IN_BASE
+    assert result["old"].new_calls == 0
+    assert result["added"].verdict == ONLY_IN_NEW
+    assert result["added"].base_median_ms is None
     assert result["added"].ratio is None
     assert not result.regressed
     assert [row.name for row in result.rows] == ["step", "old", "added"]
@@ -190,7 +210,8 @@ def test_notes_name_a_failed_script_and_dropped_regions(tmp_path: Path) -> None:
 def test_zero_times() -> None:
     assert compare_samples([0.0] * 10, [0.0] * 10).verdict == SAME
     went_up = compare_samples([0.0] * 10, [1.0] * 10)
-    assert went_up.ratio == math.inf and went_up.verdict == SLOWER
+    assert went_up.ratio == math.inf
+    assert went_up.verdict == SLOWER
 
 
 def test_str_is_the_table_the_method_and_the_outcome(runs: dict[str, Path]) -> None:
@@ -238,7 +259,7 @@ def test_a_gated_region_not_in_both_runs(tmp_path: Path, runs: dict[str, Path]) 
 
 
 def test_not_a_run(tmp_path: Path, runs: dict[str, Path]) -> None:
-    with pytest.raises(FileNotFoundError, match="run.json does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"run\.json does not exist"):
         compare_runs(tmp_path / "nowhere", runs["base"])
     bad = tmp_path / "bad"
     bad.mkdir()
