@@ -4,6 +4,9 @@
 on a GPU, ``time.perf_counter_ns`` on the CPU), cycling through copies of the tensor inputs so
 caches cannot flatter it: median, p95, p99, spread, samples/s, peak memory. :func:`compare` runs
 variants interleaved in one process, so drift hits all alike, and prints the comparison table.
+:func:`compare_runs` compares two saved runs (``perfsdk run``'s) region by region, with
+confidence intervals, as a regression gate; :func:`compare_samples` does it for two lists of
+times (both from :mod:`perfsdk.compare`).
 
 Example:
     >>> import torch
@@ -30,9 +33,11 @@ from typing import Any
 import torch
 
 from perfsdk import _device
+from perfsdk.compare import RegionComparison, RunComparison, compare_runs, compare_samples
 from perfsdk.export.summary import percentile
 
-__all__ = ["BenchResult", "Comparison", "benchmark", "compare"]
+__all__ = ["BenchResult", "Comparison", "RegionComparison", "RunComparison", "benchmark",
+           "compare", "compare_runs", "compare_samples"]
 
 _DEFAULT_MIN_TIME = 1.0  # seconds, when neither iters nor min_time is given
 _MIN_TIME_ITERS = 3  # min_time mode times at least this many calls

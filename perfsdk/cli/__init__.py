@@ -1,4 +1,4 @@
-"""The ``perfsdk`` command: ``run``, ``report`` and ``demo``.
+"""The ``perfsdk`` command: ``run``, ``report``, ``compare`` and ``demo``.
 
 It answers at once: this module imports only the standard library and ``perfsdk._version``, and
 ``import perfsdk`` is light, so ``perfsdk --help``, an argument error and a missing script are
@@ -56,8 +56,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def _percent(text: str) -> float:
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage (10 or 10%)") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a percentage >= 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 1 (0.95 for 95%)")
+    return value
+
+
 def build_parser() -> CommandParser:
-    """The ``perfsdk`` command's argument parser (its subcommands: demo, run, report)."""
+    """The ``perfsdk`` command's argument parser (its subcommands: demo, run, report,
+    compare)."""
     parser = CommandParser(
         prog="perfsdk", description="PyTorch performance instrumentation: NVTX, timings, spans.")
     parser.add_argument("--version", action="version", version=f"perfsdk {__version__}")
@@ -111,7 +132,30 @@ def build_parser() -> CommandParser:
     report = commands.add_parser("report", help="render a saved run again (summary, advice, "
                                                 "trace path)")
     report.add_argument("directory", help="the output directory of `perfsdk run` or `demo`")
-    parser.subcommands.update(demo=demo, run=run, report=report)
+    compare = commands.add_parser(
+        "compare", help="compare two saved runs region by region; exit 1 when the step got "
+                        "slower (a regression gate)",
+        description="Compares the runs saved in BASE and NEW (the output directories of `perfsdk "
+                    "run`, or the demo-before/ and demo-after/ of `perfsdk demo`) region by "
+                    "region: the median of each region's per-call host times in each run "
+                    "(its most recent 2,048 calls at most), the ratio new / base with a "
+                    "bootstrap confidence interval, and a verdict (faster, slower, no "
+                    "significant change). Exits 1 when the step (or a region named with "
+                    "--region) is slower by more than --fail-if-slower percent with that "
+                    "confidence, 2 on bad input, 0 otherwise; a region with fewer than 5 calls "
+                    "in a run is never a regression.")
+    compare.add_argument("base", metavar="BASE", help="the run to compare against")
+    compare.add_argument("new", metavar="NEW", help="the run under test")
+    compare.add_argument("--fail-if-slower", type=_percent, default=None, metavar="PCT",
+                         help="the slowdown allowed, in percent (10: exit 1 when the step is "
+                              "more than 10%% slower with confidence); default: any slowdown "
+                              "the interval shows")
+    compare.add_argument("--region", action="append", dest="regions", metavar="NAME",
+                         help="gate on this region instead of the step (repeat for more); it "
+                              "must be in both runs")
+    compare.add_argument("--confidence", type=_fraction, default=0.95, metavar="LEVEL",
+                         help="the confidence of the intervals (0.95)")
+    parser.subcommands.update(demo=demo, run=run, report=report, compare=compare)
     return parser
 
 
@@ -189,6 +233,20 @@ def _report(args: argparse.Namespace) -> int:
     return report(args.directory, out=sys.stdout, err=sys.stderr)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    for directory in (args.base, args.new):
+        if not Path(directory).is_dir():
+            return _fail("compare", f"{directory}: no such directory (the output directory of "
+                                    "`perfsdk run`, or the demo-before/ or demo-after/ that "
+                                    "`perfsdk demo` writes there)")
+    _import_torch()
+    from perfsdk.cli.compare import compare
+
+    return compare(args.base, args.new, fail_if_slower=args.fail_if_slower,
+                   regions=args.regions, confidence=args.confidence, out=sys.stdout,
+                   err=sys.stderr)
+
+
 def _status(exc: SystemExit) -> int:
     """The exit status Python would give ``exc`` (a message is printed, status 1)."""
     if exc.code is None or isinstance(exc.code, int):
@@ -215,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": lambda a: _run(a, parser.subcommands["run"].error), "report": _report,
-        "demo": _demo}
+        "compare": _compare, "demo": _demo}
     try:
         try:
             args = parser.parse_args(argv)
