@@ -9,8 +9,9 @@ trace-file slice carry them, so Jaeger, Tempo and the summary tell the ranks apa
 on perfsdk's pipeline thread when records are exported, never on the training thread, and never
 with a collective.
 
-One trace per step: the ranks agree on a *run id* (``TORCHELASTIC_RUN_ID``, which ``torchrun``
-gives every rank of a job, or one :func:`share_run_id` broadcasts once from rank 0), and each
+One trace per step: the ranks agree on a *run id* (:func:`run_id`: ``TORCHELASTIC_RUN_ID``,
+which ``torchrun`` gives every rank of a job; when that is ``none``, one id the ranks agree on
+once through the job's c10d store; or one :func:`share_run_id` broadcasts from rank 0), and each
 ``perfsdk.step()`` region at the root of its context takes its trace id from the run id and the
 step index (:func:`step_trace_id`). So the ranks' spans of step N land in one trace, a lane per
 rank, without any collective per step. :func:`stragglers` reads the steps of all ranks (e.g.
@@ -26,14 +27,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import os
 import statistics
+import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+from perfsdk.errors import warn_once
 
 __all__ = ["COLLECTIVES", "RANK_ATTRIBUTES", "StepSpread", "rank_attributes", "run_id",
            "share_run_id", "step_trace_id", "stragglers"]
@@ -86,11 +91,118 @@ def rank_attributes(env: Mapping[str, str] | None = None) -> dict[str, int]:
 
 _run_id: str | None = None  # set by share_run_id()
 
+_STORE_KEY = "perfsdk/run_id"
+"""The key under which the ranks of a ``torchrun`` job agree on a run id in the job's store
+(with the attempt appended: ``perfsdk/run_id/<TORCHELASTIC_RESTART_COUNT>``)."""
+
+_STORE_TIMEOUT_S = 5.0
+"""How long one agreement through the job's store may take (connect and one
+``compare_set``); past it the process takes a run id of its own."""
+
+_agreed: dict[tuple[str, str], str] = {}  # (TORCHELASTIC_RUN_ID, restart count) -> run id
+_agree_lock = threading.Lock()
+
+
+def _unset(value: str | None) -> bool:
+    """``torchrun``'s placeholder for "no ``--rdzv-id``" (its default is the string ``none``)."""
+    return value is None or value.strip().lower() in ("", "none")
+
 
 def run_id() -> str | None:
-    """The id the ranks of this job agree on: the one :func:`share_run_id` set, else
-    ``TORCHELASTIC_RUN_ID`` (set by ``torchrun`` for every rank), else None."""
-    return _run_id or os.environ.get("TORCHELASTIC_RUN_ID") or None
+    """The id the ranks of this job agree on, the same on every rank and different for every
+    job: the one :func:`share_run_id` set; else ``TORCHELASTIC_RUN_ID``, which ``torchrun``
+    sets on every rank (``--rdzv-id``; ``--standalone`` and a single-node launch make a fresh
+    one); else, under ``torchrun`` without a run id of its own (``TORCHELASTIC_RUN_ID`` is
+    ``none``: ``--master-port``, ``--master-addr``, several nodes), a fresh id that the first
+    rank to ask puts in the job's store and every other rank reads from it; else None (not a
+    ``torchrun`` job). From a restarted attempt (``TORCHELASTIC_RESTART_COUNT`` > 0), the id
+    names the attempt too, so a restart never merges with the attempt before it.
+
+    The store is asked once per process, at the first call (the first ``perfsdk.step()``):
+    one connection to the ``torchrun`` agent's store at ``MASTER_ADDR:MASTER_PORT`` (the one
+    ``init_process_group`` uses; the connection is closed again) and one ``compare_set``, no
+    collective, 6 s at most. When the store cannot be reached, the process
+    takes a random id of its own and warns once (the ranks' steps are then separate traces).
+    """
+    if _run_id:
+        return _run_id
+    env = os.environ
+    given = env.get("TORCHELASTIC_RUN_ID")
+    if given is None:
+        return None
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    key = (given, restart)
+    found = _agreed.get(key)
+    if found is None:
+        with _agree_lock:
+            found = _agreed.get(key)
+            if found is None:
+                found = _agreed[key] = _resolve(given, restart, env)
+    return found
+
+
+def _resolve(given: str, restart: str, env: Mapping[str, str]) -> str:
+    if not _unset(given):
+        return given if restart == "0" else f"{given}:restart-{restart}"
+    agreed, why = _agree(env, restart)
+    if agreed is not None:
+        return agreed
+    own = uuid.uuid4().hex
+    if _int(env, "WORLD_SIZE") not in (None, 1):
+        warn_once("run-id", f"perfsdk: torchrun gave this job no run id (TORCHELASTIC_RUN_ID "
+                  f"is {given!r}) and the job's store could not be asked for one ({why}); "
+                  "this rank uses a run id of its own, so the ranks' steps are separate traces. "
+                  "Pass --rdzv-id=<job id> to torchrun, or call "
+                  "perfsdk.distributed.share_run_id() on every rank after "
+                  "init_process_group().")
+    return own
+
+
+def _agree(env: Mapping[str, str], restart: str,
+           timeout: float | None = None) -> tuple[str | None, str]:
+    """(the run id agreed in the ``torchrun`` agent's store, "") or (None, why not)."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None, "TORCHELASTIC_USE_AGENT_STORE is not True"
+    host, port = env.get("MASTER_ADDR"), _int(env, "MASTER_PORT")
+    if not host or port is None or not 0 < port < 65536:
+        return None, "MASTER_ADDR / MASTER_PORT are not set"
+    return _agree_in_store(host, port, f"{_STORE_KEY}/{restart}",
+                          _STORE_TIMEOUT_S if timeout is None else timeout)
+
+
+def _agree_in_store(host: str, port: int, key: str, timeout: float = _STORE_TIMEOUT_S
+                   ) -> tuple[str | None, str]:
+    """Agree on one fresh id with every other process that asks the c10d ``TCPStore`` at
+    ``host:port`` under ``key``: the first one's id wins (one ``compare_set``, no collective;
+    the processes may ask at any time). Returns ``(id, "")``, or ``(None, why)`` when the
+    store did not answer in time: the call returns after ``timeout + 1`` seconds at most,
+    whatever the network does (torch's client, which may retry a connect past its timeout,
+    is then left to finish on its daemon thread, its answer unused)."""
+    box: list[tuple[str | None, str]] = []
+
+    def ask() -> None:
+        try:
+            limit = datetime.timedelta(seconds=timeout)
+            store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
+                host, port, is_master=False, timeout=limit)
+            try:
+                got = store.compare_set(key, "", uuid.uuid4().hex)
+            finally:
+                del store  # closes the connection
+            value = got.decode() if isinstance(got, bytes) else str(got)
+            box.append((value, "") if value else (None, "the store answered an empty id"))
+        except Exception as exc:
+            box.append((None, f"{host}:{port}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}"))
+
+    if not torch.distributed.is_available():
+        return None, "torch.distributed is not available"
+    # On a thread of its own, so that the caller's wait is bounded even if a connect attempt
+    # outlives torch's own timeout.
+    worker = threading.Thread(target=ask, name="perfsdk-run-id", daemon=True)
+    worker.start()
+    worker.join(timeout + 1.0)
+    return box[0] if box else (None, f"{host}:{port}: no answer in {timeout:g} s")
 
 
 def share_run_id() -> str:

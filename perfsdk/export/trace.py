@@ -13,8 +13,10 @@ The file:
 * one complete event (``"ph": "X"``) per region: ``name``, ``cat`` (the region's category, else
   ``perfsdk``), ``pid``, ``tid`` (the thread's OS id), ``ts`` and ``dur`` in microseconds with
   exactly three decimals (whole nanoseconds, no float rounding), ``args`` (the region's
-  attributes, ``perfsdk.host_ms``, ``perfsdk.device_ms``, ``perfsdk.memory.*``,
-  ``exception.type`` / ``exception.message``, ``hw.gpu.*`` while GPU sampling is on);
+  attributes, ``perfsdk.rank`` / ``perfsdk.local_rank`` / ``perfsdk.world_size`` in a
+  multi-process job (:func:`perfsdk.distributed.rank_attributes`), ``perfsdk.host_ms``,
+  ``perfsdk.device_ms``, ``perfsdk.memory.*``, ``exception.type`` / ``exception.message``,
+  ``hw.gpu.*`` while GPU sampling is on);
 * ``ts`` is the host's ``perf_counter`` clock (``CLOCK_MONOTONIC`` on Linux), the clock every
   region is measured with, shared by all processes of the machine, so files from DataLoader
   workers or ranks on one node line up; ``otherData`` gives the wall-clock epoch of ``ts = 0``;
@@ -46,6 +48,7 @@ from perfsdk import clocks
 from perfsdk import gpu as _gpu
 from perfsdk._version import __version__
 from perfsdk.config import Config
+from perfsdk.distributed import rank_attributes
 from perfsdk.errors import warn_once
 from perfsdk.memory import memory_attributes
 from perfsdk.record import (
@@ -77,7 +80,8 @@ _UNKNOWN_TID = 1 << 30
 _MAX_LANES = 255
 
 # A stored region: (name, cat, t0, t1, thread ident, span id, parent span id, declared attributes,
-# extra attributes | None, memory | None, device_ms | None, (error type, message) | None).
+# extra attributes | None, memory | None, device_ms | None, (error type, message) | None,
+# the process's rank attributes | None (shared by the events of one batch)).
 _Event = tuple[Any, ...]
 
 
@@ -189,6 +193,7 @@ class TraceSink:
         if self.output_dir is None:
             return
         window = _gpu.TELEMETRY.window
+        ranks = rank_attributes() or None  # this process's rank: once per batch, as spans do
         with self._lock:
             room = self.max_events - len(self._events)
             keep = records if room >= len(records) else records[:max(room, 0)]
@@ -196,7 +201,7 @@ class TraceSink:
             if keep:
                 lane = self._see_threads({rec[THREAD] for rec in keep})
                 for rec in keep:
-                    events.append(_from_record(rec, window, lane[rec[THREAD]]))
+                    events.append(_from_record(rec, window, lane[rec[THREAD]], ranks))
                 self._dirty = True
             lost = len(records) - len(keep)
         if lost:
@@ -312,7 +317,8 @@ def _error(error: BaseException | None) -> tuple[str, str] | None:
     return name, str(error)
 
 
-def _from_record(rec: Any, window: Any, lane: int) -> _Event:
+def _from_record(rec: Any, window: Any, lane: int, ranks: Mapping[str, int] | None = None
+                 ) -> _Event:
     spec = SPECS[rec[SPEC]]
     extra = rec[ATTRS]
     if window is not None:
@@ -320,20 +326,22 @@ def _from_record(rec: Any, window: Any, lane: int) -> _Event:
         if readings:
             extra = {**(extra or {}), **readings}
     return (spec.name, spec.category, rec[T0], rec[T1], lane, rec[SPAN], rec[PARENT],
-            spec.attributes, extra, rec[MEMORY], rec[DEVICE_MS], _error(rec[ERROR]))
+            spec.attributes, extra, rec[MEMORY], rec[DEVICE_MS], _error(rec[ERROR]), ranks)
 
 
 def _from_result(r: RegionResult) -> _Event:
     origin = clocks.epoch_ns(0)
     return (r.name, r.attributes.get("perfsdk.category"), r.start_ns - origin, r.end_ns - origin,
             r.thread_id, r.span_id, r.parent_span_id, r.attributes, None, r.memory, r.device_ms,
-            _error(r.error))
+            _error(r.error), None)  # a RegionResult's attributes hold its rank already
 
 
 def _args(e: _Event) -> dict[str, Any]:
     args = dict(e[7])
     if e[8]:
         args.update(e[8])
+    if e[12]:
+        args.update(e[12])
     args["perfsdk.host_ms"] = (e[3] - e[2]) / 1e6
     if e[10] is not None:
         args["perfsdk.device_ms"] = e[10]

@@ -351,3 +351,48 @@ def test_write_trace_rejects_bad_regions(regions: Any, tmp_path: Path) -> None:
 def test_sink_rejects_bad_max_events(value: Any) -> None:
     with pytest.raises(ValueError, match="max_events"):
         TraceSink(Config(), max_events=value)
+
+
+@pytest.mark.parametrize("through", ["sink", "write_trace"])
+def test_slices_carry_the_rank_in_a_multi_process_job(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      through: str) -> None:
+    from perfsdk import distributed
+
+    for name, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun sets on the rank
+    monkeypatch.setattr(distributed, "_from_env", None)  # read again
+    monkeypatch.setattr(distributed, "_from_group", None)
+    if through == "sink":
+        perfsdk.configure(exporter="trace", output_dir=tmp_path)
+        with perfsdk.timed_region("outer", attributes={"k": 1}), perfsdk.timed_region("inner"):
+            pass
+        perfsdk.flush()
+        path = tmp_path / f"trace-{os.getpid()}.json"
+    else:
+        with capture() as cap, perfsdk.timed_region("outer", attributes={"k": 1}), \
+                perfsdk.timed_region("inner"):
+            pass
+        path = write_trace(tmp_path / "t.json", cap.regions)
+    got = {e["name"]: e["args"] for e in slices(load(path))}
+    assert sorted(got) == ["inner", "outer"]
+    for args in got.values():
+        assert (args["perfsdk.rank"], args["perfsdk.local_rank"],
+                args["perfsdk.world_size"]) == (3, 1, 4)
+    assert got["outer"]["k"] == 1
+
+
+def test_a_single_process_has_no_rank_in_its_slices(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from perfsdk import distributed
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed, "_from_env", None)
+    monkeypatch.setattr(distributed, "_from_group", None)
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    with perfsdk.timed_region("solo"):
+        pass
+    perfsdk.flush()
+    (args,) = [e["args"] for e in slices(load(tmp_path / f"trace-{os.getpid()}.json"))]
+    assert not any(k in args for k in distributed.RANK_ATTRIBUTES)
