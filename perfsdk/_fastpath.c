@@ -65,6 +65,26 @@ nvtxcall_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject
     return result;
 }
 
+static PyObject *domains; /* domain name -> handle (int): one nvtxDomainCreateA per name */
+
+static nvtxDomainHandle_t
+domain_handle(const char *name)
+{
+    PyObject *cached = PyDict_GetItemString(domains, name); /* borrowed */
+    PyObject *value;
+    nvtxDomainHandle_t handle;
+    if (cached != NULL) {
+        return (nvtxDomainHandle_t)PyLong_AsVoidPtr(cached);
+    }
+    handle = nvtxDomainCreateA(name);
+    value = PyLong_FromVoidPtr((void *)handle);
+    if (value == NULL || PyDict_SetItemString(domains, name, value) < 0) {
+        PyErr_Clear(); /* not cached: the next marker of this domain asks again */
+    }
+    Py_XDECREF(value);
+    return handle;
+}
+
 static PyObject *
 nvtxcall_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
@@ -125,7 +145,7 @@ nvtxcall_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_DECREF(self);
         return NULL;
     }
-    self->domain = nvtxDomainCreateA(domain);
+    self->domain = domain_handle(domain);
     self->attributes.messageType = NVTX_MESSAGE_TYPE_REGISTERED;
     self->attributes.message.registered = nvtxDomainRegisterStringA(self->domain, message);
     if (self->attributes.message.registered == NULL) { /* no tool, or it registers none */
@@ -205,7 +225,8 @@ PyInit__fastpath(void)
         return NULL;
     }
 #ifdef PERFSDK_NVTX
-    if (PyType_Ready(&NvtxCallType) < 0) {
+    domains = PyDict_New();
+    if (domains == NULL || PyType_Ready(&NvtxCallType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
