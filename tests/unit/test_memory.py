@@ -266,3 +266,43 @@ def test_largest_free_block_reads_real_snapshot_shapes():
                 {"blocks": [{"size": 25, "state": "inactive"}]}]
     assert memory.largest_free_block(segments) == 25
     assert memory.largest_free_block([]) == 0
+
+
+def test_a_region_entered_soon_after_a_reading_reuses_it(monkeypatch):
+    """The baseline is read at enter unless the last reading began at most REUSE_NS before:
+    then that reading is the baseline (one reading a region in a tight loop)."""
+    clock = [10**9]
+    peak = [100]
+    reads: list[int] = []
+
+    def read() -> int:
+        reads.append(clock[0])
+        return peak[0]
+
+    monkeypatch.setattr(memory, "_clock", lambda: clock[0])
+    monkeypatch.setattr(memory, "peak_rss", read)
+    tracker = memory.MemoryTracker()
+
+    token = tracker.enter()  # no reading yet: read
+    peak[0] = 130  # the region raises the peak by 30
+    clock[0] += 1_000
+    assert tracker.exit(token)[3:] == (30, 130)
+    assert len(reads) == 2
+
+    clock[0] += memory.REUSE_NS  # exactly REUSE_NS after the exit's reading: reused
+    peak[0] = 150  # growth between the two regions ...
+    token = tracker.enter()
+    assert len(reads) == 2
+    peak[0] = 160
+    assert tracker.exit(token)[3:] == (30, 160)  # ... is counted: 150 - 130 + 10 (the bound)
+    assert len(reads) == 3
+
+    clock[0] += memory.REUSE_NS + 1  # later than that: read again, exact
+    peak[0] = 170
+    token = tracker.enter()
+    assert len(reads) == 4
+    assert tracker.exit(token)[3:] == (0, 170)
+
+    tracker.after_fork()  # a child reads afresh
+    token = tracker.enter()
+    assert len(reads) == 6
