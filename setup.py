@@ -1,4 +1,4 @@
-"""Build the optional compiled hot path, ``perfsdk._fastpath`` (everything else is in pyproject.toml).
+"""Build the optional compiled hot path, ``perfsdk._fastpath`` (the rest is in pyproject.toml).
 
 The extension is optional: without a C compiler, or when it fails to compile, the install goes
 on and perfsdk uses its pure-Python paths (setuptools prints a warning). Its NVTX part needs the

@@ -5,7 +5,7 @@ Usage::
 
     python benchmarks/nvtx_overhead.py                  # full run (about a minute)
     python benchmarks/nvtx_overhead.py --quick          # a few repeats, for a smoke test
-    python benchmarks/nvtx_overhead.py --output x.json  # default: benchmarks/results/nvtx_overhead.json
+    python benchmarks/nvtx_overhead.py --output x.json  # default: results/nvtx_overhead.json
 
 Like benchmarks/overhead.py, it builds the NVTX recording injection library
 (``tests/nvtx_injection/recorder.c``) and re-executes itself with ``NVTX_INJECTION64_PATH`` set,

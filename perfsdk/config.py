@@ -100,7 +100,8 @@ PERFSDK_MEMORY: Final = "PERFSDK_MEMORY"
 """Record memory per region by default: ``1``/``0``. Default ``0``. On CUDA: allocated and
 reserved bytes and the region's true peak (perfsdk then resets torch's process-wide peak counter
 at each region's enter, so read peaks from perfsdk, not ``max_memory_allocated``); everywhere:
-growth of the process's peak RSS. About 2.3 us a region on CPU. ``memory=`` on a region wins."""
+growth of the process's peak RSS. About 1.1 us a region on CPU (1.4 us without perfsdk's compiled
+module; docs/memory.md). ``memory=`` on a region wins."""
 
 PERFSDK_MEMORY_SNAPSHOTS: Final = "PERFSDK_MEMORY_SNAPSHOTS"
 """Record CUDA allocation history so an out-of-memory error inside a region writes a snapshot

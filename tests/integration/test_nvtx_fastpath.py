@@ -181,6 +181,23 @@ perfsdk.configure(timing=False)
 assert state.nvtx_only
 with timed_region("fp.end"):
     pass
+
+# -- inside torch.compile the wrapper steps aside: no graph break (fullgraph raises on one) -----
+import torch
+
+
+@profiled("fp.compiled_inner")
+def compiled_inner(x):
+    return torch.sin(x) * 2
+
+
+def model(x):
+    return compiled_inner(x) + 1
+
+
+x = torch.randn(4)
+compiled = torch.compile(model, fullgraph=True, backend="eager")
+torch.testing.assert_close(compiled(x), model(x))
 """
 
 
@@ -279,10 +296,11 @@ def test_threads(scenario_events: dict[str, list[Event]], path: str) -> None:
     events = _events(scenario_events, path)
     rs = [r for r in ranges(events) if r["message"] == "fp.thr"]
     per_thread = Counter(r["thread"] for r in rs)
-    assert len(per_thread) == 4 and set(per_thread.values()) == {20}
+    assert len(per_thread) == 4
+    assert set(per_thread.values()) == {20}
     assert all(r["depth"] == 0 for r in rs)
     # the four n == 0 ranges were open at the same time
-    first = sorted((r for r in rs), key=lambda r: r["push_seq"])[:4]
+    first = sorted(rs, key=lambda r: r["push_seq"])[:4]
     assert max(r["push_seq"] for r in first) < min(r["pop_seq"] for r in first)
 
 
@@ -293,7 +311,7 @@ def test_switches_go_through_the_gate(scenario_events: dict[str, list[Event]],
     assert sum(r["message"] == "fp.sampled" for r in rs) == 2
     inner = [r for r in rs if r["message"] == "fp.inner"]
     assert len(inner) == 2 + 2 + 1  # outer()'s two, sample_every=2's two, the timed one
-    assert rs[-1]["message"] == "fp.end"
+    assert [r["message"] for r in rs[-2:]] == ["fp.end", "fp.compiled_inner"]  # eager call only
 
 
 def test_both_paths_record_the_same_ranges(scenario_events: dict[str, list[Event]]) -> None:

@@ -77,7 +77,7 @@ def test_call_keeps_no_references(nvtx_call: Any) -> None:
 ])
 def test_call_needs_fn_args_kwargs(nvtx_call: Any, args: tuple[Any, ...],
                                    kwargs: dict[str, Any]) -> None:
-    with pytest.raises(TypeError, match="fn, args, kwargs|tuple|dict"):
+    with pytest.raises(TypeError, match=r"fn, args, kwargs|tuple|dict"):
         nvtx_call(*args, **kwargs)
     with pytest.raises(TypeError, match="kwargs must be a dict"):
         nvtx_call(len, ([1],), [("a", 1)])
@@ -109,7 +109,8 @@ def test_no_tool_no_compiled_range() -> None:
     def double(x: int, *, k: int = 2) -> int:
         return x * k
 
-    assert double(3) == 6 and double(3, k=3) == 9
+    assert double(3) == 6
+    assert double(3, k=3) == 9
 
 
 @pytest.mark.parametrize(("raw", "enabled"), [
