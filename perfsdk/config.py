@@ -31,6 +31,7 @@ __all__ = [
     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
     "OTEL_BSP_MAX_QUEUE_SIZE",
     "OTEL_BSP_SCHEDULE_DELAY",
+    "PERFSDK_DISABLE_EXTENSIONS",
     "PERFSDK_ENABLED",
     "PERFSDK_EXPORTER",
     "PERFSDK_EXPORT_BACKOFF_MAX",
@@ -49,6 +50,7 @@ __all__ = [
     "SYNC_GUARD_MODES",
     "Config",
     "configure",
+    "extensions_enabled",
     "get_config",
 ]
 
@@ -87,11 +89,19 @@ PERFSDK_TIMING: Final = "PERFSDK_TIMING"
 (the lightest mode, for ``nsys profile`` runs where Nsight does the timing): no host or device
 time, no span, no summary row, no torch.profiler annotation."""
 
+PERFSDK_DISABLE_EXTENSIONS: Final = "PERFSDK_DISABLE_EXTENSIONS"
+"""Ignore perfsdk's optional compiled hot path (``perfsdk._fastpath``, built at install when a C
+compiler is present) and use the pure-Python paths: ``1``/``0``. Default ``0``. Read once, at
+import. The compiled path runs NVTX-only mode's push, call and pop in one C call and reads
+memory=True's RSS without building a ``struct_rusage``; both paths record the same ranges and
+readings."""
+
 PERFSDK_MEMORY: Final = "PERFSDK_MEMORY"
 """Record memory per region by default: ``1``/``0``. Default ``0``. On CUDA: allocated and
 reserved bytes and the region's true peak (perfsdk then resets torch's process-wide peak counter
 at each region's enter, so read peaks from perfsdk, not ``max_memory_allocated``); everywhere:
-growth of the process's peak RSS. About 2.3 us a region on CPU. ``memory=`` on a region wins."""
+growth of the process's peak RSS. About 1.1 us a region on CPU (1.4 us without perfsdk's compiled
+module; docs/memory.md). ``memory=`` on a region wins."""
 
 PERFSDK_MEMORY_SNAPSHOTS: Final = "PERFSDK_MEMORY_SNAPSHOTS"
 """Record CUDA allocation history so an out-of-memory error inside a region writes a snapshot
@@ -298,6 +308,12 @@ def _env(env: Mapping[str, str], name: str, parse: Callable[[str], Any], default
         return default
 
 
+def extensions_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether to use the compiled hot path (``PERFSDK_DISABLE_EXTENSIONS`` unset or false)."""
+    return not _env(os.environ if env is None else env, PERFSDK_DISABLE_EXTENSIONS,
+                    _parse_bool, False)
+
+
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(v if isinstance(v, str) else type(v).__name__ for v in value) or "none"
@@ -416,7 +432,7 @@ def _parse_interval(raw: str | float) -> float:
 class _HotState:
     """The few settings read on every call, as plain attributes (one attribute load each)."""
 
-    __slots__ = ("enabled", "memory", "nvtx", "sample_every", "timing")
+    __slots__ = ("enabled", "memory", "nvtx", "nvtx_only", "sample_every", "timing")
 
     def __init__(self, config: Config) -> None:
         self.enabled = config.enabled
@@ -424,6 +440,12 @@ class _HotState:
         self.sample_every = config.sample_every
         self.timing = config.timing
         self.memory = config.memory
+        self.nvtx_only = _nvtx_only(config)
+
+
+def _nvtx_only(config: Config) -> bool:
+    """NVTX-only mode with every entry recorded: ``@profiled``'s shortest path (one load)."""
+    return not config.timing and config.nvtx and config.sample_every == 1
 
 
 _lock = threading.Lock()
@@ -568,6 +590,7 @@ def _replace(new: Config) -> Config:
         _config = new
         state.enabled, state.nvtx, state.sample_every = new.enabled, new.nvtx, new.sample_every
         state.timing, state.memory = new.timing, new.memory
+        state.nvtx_only = _nvtx_only(new)
     return new
 
 

@@ -260,10 +260,29 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
 
 def _sync(fn: Callable[..., Any], spec: RegionSpec) -> Any:
     open_ = spec.open
+    # NVTX-only mode (PERFSDK_TIMING=0) skips the gate: every entry of a spec without its own
+    # sampling is a push, the call and a pop, done in one C call where perfsdk's compiled
+    # module is built (markers.NvtxMarker.call), else inline. Whatever else (sampling, no
+    # NVTX domain, timing on) goes through the gate.
+    push: Any = None
+    pop: Any = None
+    attrs: Any = None
+    call: Any = None
+    if spec.nvtx_range is not None and spec.every in (None, 1):  # push/pop ranges, unsampled
+        push, pop = spec.nvtx.domain.push_range, spec.nvtx.domain.pop_range
+        attrs, call = spec.nvtx.attributes, spec.nvtx.call
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _state.enabled or _is_compiling():
             return fn(*args, **kwargs)
+        if _state.nvtx_only and push is not None:
+            if call is not None:
+                return call(fn, args, kwargs)
+            push(attrs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                pop()
         region = open_()
         if region is NULL_REGION:  # sampled out: no try, no exit call
             return fn(*args, **kwargs)

@@ -3,6 +3,12 @@
 Attributes are resolved once, when a region is declared (decoration or ``timed_region(...)``),
 so entering a region costs one NVTX push and, only while a torch profiler is recording, one
 fast record-function.
+
+NVTX goes through the ``nvtx`` package. Where perfsdk's optional compiled module is built with
+the NVTX headers (see ``setup.py``) and a tool is attached, each marker also gets
+:attr:`NvtxMarker.call`, the same range in C: ``call(fn, args, kwargs)`` pushes it, calls the
+function and pops it in one C call, which ``@profiled`` uses in NVTX-only mode. Its ranges land
+in the same domain, with the same message, color, category id and payload.
 """
 
 from __future__ import annotations
@@ -14,12 +20,20 @@ from typing import Any
 
 import torch
 
+from perfsdk.config import extensions_enabled
 from perfsdk.errors import warn_once
 
 try:  # optional at run time: perfsdk works without it, minus NVTX ranges
     import nvtx as _nvtx
 except Exception:
     _nvtx = None
+
+_fastpath: Any = None
+if extensions_enabled():
+    try:  # optional: built at install where a C compiler is found
+        import perfsdk._fastpath as _fastpath
+    except ImportError:
+        _fastpath = None
 
 __all__ = ["COLORS", "NvtxMarker", "color_for", "parse_color", "record_function"]
 
@@ -81,16 +95,27 @@ def _domain(name: str) -> Any:
     return _nvtx.get_domain(name)
 
 
-class NvtxMarker:
-    """A domain and pre-built event attributes; ``push``/``pop`` are the only per-call work."""
+def compiled_nvtx() -> bool:
+    """Whether markers built now get the compiled :attr:`NvtxMarker.call` (when a tool is
+    attached): the extension is built with NVTX and ``PERFSDK_DISABLE_EXTENSIONS`` is not set."""
+    return _fastpath is not None and bool(getattr(_fastpath, "HAVE_NVTX", 0))
 
-    __slots__ = ("attributes", "domain", "push", "start")
+
+class NvtxMarker:
+    """A domain and pre-built event attributes; ``push``/``pop`` are the only per-call work.
+
+    ``call`` is the compiled range (``call(fn, args, kwargs)``: push, call, pop), or None: no
+    compiled module, no NVTX in it, or no real domain (no tool attached, ``NVTX_DISABLE``).
+    """
+
+    __slots__ = ("attributes", "call", "domain", "push", "start")
 
     def __init__(
         self, domain: str, message: str, color: int, category: str | None, payload: int | None
     ) -> None:
         self.domain: Any = None
         self.attributes: Any = None
+        self.call: Any = None
         if _nvtx is None:
             warn_once("nvtx-missing", "perfsdk: the 'nvtx' package is not installed; regions "
                       "emit no NVTX ranges. Install it with: pip install nvtx")
@@ -104,6 +129,10 @@ class NvtxMarker:
                 payload=payload,
             )
             self.domain = dom
+            if compiled_nvtx() and hasattr(dom, "handle"):  # a real domain: a tool listens
+                self.call = _fastpath.NvtxCall(
+                    domain, message, color,
+                    dom.get_category_id(category) if category else 0, payload)
         except Exception as exc:
             warn_once(f"nvtx-error:{domain}:{message}",
                       f"perfsdk: NVTX unavailable for {message!r} ({exc!r}); no NVTX range.")

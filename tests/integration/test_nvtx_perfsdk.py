@@ -248,8 +248,10 @@ def test_sync_regions_use_push_pop_not_start_end(main_events: list[Event]) -> No
 
 def test_default_and_custom_domains(main_events: list[Event], main_ranges: list[Range]) -> None:
     created = [e["domain"] for e in main_events if e["kind"] == "domain_create"]
-    assert created.count("perfsdk") == 1  # one domain handle, made once
-    assert created.count("perfsdk.test") == 1
+    # one domain handle, made once by each NVTX client in the process: the nvtx package, and
+    # perfsdk's compiled module where it is built (tests/integration/test_nvtx_fastpath.py)
+    assert created.count("perfsdk") in (1, 2)
+    assert created.count("perfsdk.test") == created.count("perfsdk")
     dom = _named(main_ranges, "dom.")
     assert [(r["path"], r["domain"]) for r in dom] == [
         (("dom.func",), "perfsdk.test"),

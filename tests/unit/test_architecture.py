@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     # 0 foundation: settings, clocks, the device door, plain data
     "perfsdk._version": 0, "perfsdk.errors": 0, "perfsdk.config": 0, "perfsdk.context": 0,
     "perfsdk.clocks": 0, "perfsdk._device": 0, "perfsdk.markers": 0, "perfsdk.memory": 0,
+    "perfsdk._fastpath": 0,
     "perfsdk.nvml": 0, "perfsdk.distributed": 0, "perfsdk._progress": 0,
     "perfsdk.sync.report": 0, "perfsdk.sync.ops": 0, "perfsdk.testing.fake_cuda": 0,
     "perfsdk.testing.fake_nvml": 0, "perfsdk.testing.fake_tensor": 0,
@@ -57,6 +58,9 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+# A compiled module (perfsdk/_fastpath.c) is known by its typing stub, and imports nothing.
+MODULES.update({module_name(p): p for p in sorted(PACKAGE.rglob("*.pyi"))
+                if module_name(p) not in MODULES})
 PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
 
 

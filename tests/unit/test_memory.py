@@ -3,7 +3,9 @@ forensics with a memory_viz snapshot."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import resource
 import subprocess
 import sys
 import textwrap
@@ -149,11 +151,34 @@ def test_without_cuda_only_rss_is_reported():
     assert mem["perfsdk.memory.rss_delta_bytes"] >= 0
 
 
-def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path):
+PEAK_RSS_READERS = ["python", pytest.param("compiled", marks=pytest.mark.skipif(
+    memory.peak_rss is memory._peak_rss_python, reason="perfsdk._fastpath is not built"))]
+
+
+@pytest.mark.parametrize("reader", PEAK_RSS_READERS)
+def test_peak_rss_is_getrusage_self(reader):
+    """Both readers give RUSAGE_SELF's ru_maxrss in bytes (the compiled one and the Python
+    one ask for RUSAGE_THREAD on Linux, which reports the same high-water mark)."""
+    read = memory._peak_rss_python if reader == "python" else memory.peak_rss
+    unit = 1 if sys.platform == "darwin" else 1024
+    for _ in range(3):
+        before = read()
+        self_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+        after = read()
+        assert before <= self_peak <= after
+
+
+@pytest.mark.parametrize("reader", PEAK_RSS_READERS)
+@pytest.mark.parametrize("where", ["here", "thread"])
+def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path, reader, where):
+    """The block is written by the region's own thread, or by another thread while the region
+    waits for it: the peak RSS is the process's, whichever thread reads it."""
     script = textwrap.dedent("""
-        import os, resource
+        import os, resource, sys, threading
         import perfsdk
+        from perfsdk import memory
         from perfsdk.testing import capture
+        assert (memory.peak_rss is memory._peak_rss_python) == (sys.argv[1] == "python")
         page = os.sysconf("SC_PAGE_SIZE")
         with capture() as cap:
             with open("/proc/self/statm") as f:
@@ -163,7 +188,13 @@ def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path):
             # parent's (pytest's) peak, so the block must reach 512 MiB past that
             size = max(0, peak_before - current) + 512 * 1024 * 1024
             with perfsdk.timed_region("grow", memory=True) as r:
-                block = b"\\x01" * size  # written: every page touched
+                if sys.argv[2] == "here":
+                    block = b"\\x01" * size  # written: every page touched
+                else:
+                    blocks = []
+                    t = threading.Thread(target=lambda: blocks.append(b"\\x01" * size))
+                    t.start()
+                    t.join()
             with perfsdk.timed_region("quiet", memory=True):
                 pass
         grow, quiet = cap.named("grow")[0].memory, cap.named("quiet")[0].memory
@@ -171,8 +202,9 @@ def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path):
         print(grow["perfsdk.memory.rss_delta_bytes"], quiet["perfsdk.memory.rss_delta_bytes"],
               expected)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, check=False)
+    env = dict(os.environ, PERFSDK_DISABLE_EXTENSIONS="1" if reader == "python" else "0")
+    proc = subprocess.run([sys.executable, "-c", script, reader, where], capture_output=True,
+                          text=True, timeout=120, check=False, env=env)
     assert proc.returncode == 0, proc.stderr
     grow, quiet, expected = map(int, proc.stdout.split())
     assert expected > 256 * MB  # the block really goes above the earlier peak
@@ -234,3 +266,43 @@ def test_largest_free_block_reads_real_snapshot_shapes():
                 {"blocks": [{"size": 25, "state": "inactive"}]}]
     assert memory.largest_free_block(segments) == 25
     assert memory.largest_free_block([]) == 0
+
+
+def test_a_region_entered_soon_after_a_reading_reuses_it(monkeypatch):
+    """The baseline is read at enter unless the last reading began at most REUSE_NS before:
+    then that reading is the baseline (one reading a region in a tight loop)."""
+    clock = [10**9]
+    peak = [100]
+    reads: list[int] = []
+
+    def read() -> int:
+        reads.append(clock[0])
+        return peak[0]
+
+    monkeypatch.setattr(memory, "_clock", lambda: clock[0])
+    monkeypatch.setattr(memory, "peak_rss", read)
+    tracker = memory.MemoryTracker()
+
+    token = tracker.enter()  # no reading yet: read
+    peak[0] = 130  # the region raises the peak by 30
+    clock[0] += 1_000
+    assert tracker.exit(token)[3:] == (30, 130)
+    assert len(reads) == 2
+
+    clock[0] += memory.REUSE_NS  # exactly REUSE_NS after the exit's reading: reused
+    peak[0] = 150  # growth between the two regions ...
+    token = tracker.enter()
+    assert len(reads) == 2
+    peak[0] = 160
+    assert tracker.exit(token)[3:] == (30, 160)  # ... is counted: 150 - 130 + 10 (the bound)
+    assert len(reads) == 3
+
+    clock[0] += memory.REUSE_NS + 1  # later than that: read again, exact
+    peak[0] = 170
+    token = tracker.enter()
+    assert len(reads) == 4
+    assert tracker.exit(token)[3:] == (0, 170)
+
+    tracker.after_fork()  # a child reads afresh
+    token = tracker.enter()
+    assert len(reads) == 6
