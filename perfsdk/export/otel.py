@@ -12,9 +12,10 @@ Spans are built in the background from region records, never on the training thr
   exporter's own export thread (:mod:`perfsdk.export.delivery`: a bounded queue, batches,
   backoff, every span counted), which skips the tracer machinery (about 1 us a span instead of
   about 10).
-* **the application's provider**: if the application installed a TracerProvider, perfsdk uses
-  it through the public tracer API, from a bounded queue and thread of its own, and adds no
-  processor, exporter or resource.
+* **the application's provider**: if the application installed a TracerProvider, perfsdk's
+  spans go through it (its sampler, span limits and processors apply), built on a bounded queue
+  and thread of its own (:mod:`perfsdk.export.provider`); perfsdk adds no processor, exporter
+  or resource.
 
 Exporters come from OpenTelemetry itself: OTLP over gRPC or HTTP/protobuf (chosen by the standard
 ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``, default ``http/protobuf``), console, and a JSON-lines
