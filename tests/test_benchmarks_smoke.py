@@ -7,6 +7,7 @@ are measurements, reported PASS/FAIL by the benchmark itself.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,72 @@ def test_soak_account_balances_after_shutdown(soak_run):
     healthy = cases["healthy"]
     assert healthy["collector"]["spans_received"] >= \
         healthy["final"]["diagnostics"]["spans_exported"]
+
+
+# -- benchmarks/user_provider.py -----------------------------------------------------------------
+UP_SCRIPT = REPO_ROOT / "benchmarks" / "user_provider.py"
+UP_CASES = {"default", "ratio", "on_start"}
+
+
+@pytest.fixture(scope="module")
+def user_provider_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    return run_quick(UP_SCRIPT, tmp_path_factory.mktemp("bench") / "user_provider.json")
+
+
+def test_user_provider_benchmark_shape(user_provider_run):
+    result, stdout = user_provider_run
+    settings = result["settings"]
+    assert settings["quick"] is True
+    assert set(result["cases"]) == UP_CASES
+    for name, case in result["cases"].items():
+        assert "error" not in case, (name, case.get("stderr"))
+        assert case["span_mode"] == "user", name
+        assert set(case["arms"]) == {"perfsdk", "otel"}
+        for arm in case["arms"].values():
+            for measure in ("cpu_ns_per_call", "wall_ns_per_call", "caller_ns_per_call"):
+                stats = arm[measure]
+                assert positive(stats["median"]), (name, measure)
+                assert stats["p25"] <= stats["median"] <= stats["p75"], (name, measure)
+                assert len(stats["samples"]) == settings["repeats"]
+            assert arm["spans_exported"] == [settings["calls"]] * settings["repeats"], name
+            assert arm["complete"] is True
+        assert positive(case["ratio_cpu"])
+        assert positive(case["ratio_wall"])
+    targets = {t["name"]: t for t in result["targets"]}
+    assert set(targets) == {"whole_vs_otel_default", "whole_vs_otel_ratio"}
+    for t in targets.values():
+        assert isinstance(t["passed"], bool)
+        assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['definition']}" in stdout
+
+
+def test_user_provider_benchmark_takes_the_paths_it_names(user_provider_run):
+    """Deterministic, not a timing: the direct path for BatchSpanProcessor alone, the tracer
+    for a processor with its own on_start; every region once (warm-up included)."""
+    cases = user_provider_run[0]["cases"]
+    for name in ("default", "ratio"):
+        paths = cases[name]["provider_paths"]
+        assert paths["through_tracer"] == paths["sampled_out"] == 0, name
+        assert paths["direct"] > 0
+    paths = cases["on_start"]["provider_paths"]
+    assert paths["direct"] == paths["sampled_out"] == 0
+    assert paths["through_tracer"] > 0
+
+
+# -- benchmarks/metrics_cost.py ------------------------------------------------------------------
+MC_SCRIPT = REPO_ROOT / "benchmarks" / "metrics_cost.py"
+
+
+def test_metrics_cost_benchmark_shape(tmp_path: Path):
+    result, stdout = run_quick(MC_SCRIPT, tmp_path / "metrics_cost.json")
+    assert result["settings"]["quick"] is True
+    variants = result["variants"]
+    assert set(variants) == {"own", "sdk"}
+    assert variants["own"]["aggregated_by_perfsdk"] is True
+    assert variants["sdk"]["aggregated_by_perfsdk"] is False
+    for v in variants.values():
+        stats = v["cpu_ns_per_record"]
+        assert positive(stats["median"])
+        assert len(stats["samples"]) == result["settings"]["repeats"]
+    assert positive(result["sdk_over_own"])
+    assert result["exports"] >= result["settings"]["repeats"]  # a flush per repeat exported
+    assert "perfsdk aggregates the histograms" in stdout

@@ -12,9 +12,10 @@ Spans are built in the background from region records, never on the training thr
   exporter's own export thread (:mod:`perfsdk.export.delivery`: a bounded queue, batches,
   backoff, every span counted), which skips the tracer machinery (about 1 us a span instead of
   about 10).
-* **the application's provider**: if the application installed a TracerProvider, perfsdk uses
-  it through the public tracer API, from a bounded queue and thread of its own, and adds no
-  processor, exporter or resource.
+* **the application's provider**: if the application installed a TracerProvider, perfsdk's
+  spans go through it (its sampler, span limits and processors apply), built on a bounded queue
+  and thread of its own (:mod:`perfsdk.export.provider`); perfsdk adds no processor, exporter
+  or resource.
 
 Exporters come from OpenTelemetry itself: OTLP over gRPC or HTTP/protobuf (chosen by the standard
 ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``, default ``http/protobuf``), console, and a JSON-lines
@@ -28,31 +29,22 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind
+from opentelemetry.sdk.trace.export import SpanExporter
 
-from perfsdk import clocks
-from perfsdk._version import __version__
 from perfsdk.config import Config
+from perfsdk.distributed import rank_attributes
 from perfsdk.errors import warn_once
 from perfsdk.export.delivery import REASONS, Backoff, Destination
 from perfsdk.export.exporters import bounded, describe, make_exporter, otlp_target
-from perfsdk.export.spans import (
-    SAMPLED,
-    build_resource,
-    region_attributes,
-    region_span,
-    status_of,
-)
-from perfsdk.record import ERROR, EVENTS, PARENT, SPAN, SPEC, SPECS, T0, T1, TRACE, Record
+from perfsdk.export.provider import ProviderExporter, user_tracer
+from perfsdk.export.spans import build_resource, region_span
+from perfsdk.record import Record
 
 __all__ = ["SpanSink", "build_resource", "make_exporter", "region_span"]
 
@@ -77,43 +69,6 @@ class _Fanout(SpanProcessor):
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
         return all([d.flush(deadline) for d in self.destinations])
-
-
-class _PresetIds(IdGenerator):
-    """Hands the tracer the ids a region was given at enter; random ones otherwise."""
-
-    def __init__(self, fallback: IdGenerator | None) -> None:
-        self.fallback = fallback
-        self.span_id = 0
-        self.trace_id = 0
-
-    def generate_span_id(self) -> int:
-        value, self.span_id = self.span_id, 0
-        if value:
-            return value
-        return self.fallback.generate_span_id() if self.fallback else 1
-
-    def generate_trace_id(self) -> int:
-        value, self.trace_id = self.trace_id, 0
-        if value:
-            return value
-        return self.fallback.generate_trace_id() if self.fallback else 1
-
-
-class _ProviderExporter:
-    """The application's provider as a destination: each record becomes a span through its
-    tracer (its sampler, limits and processors apply), on the export thread."""
-
-    def __init__(self, sink: SpanSink) -> None:
-        self.sink = sink
-
-    def export(self, records: Sequence[Any]) -> SpanExportResult:
-        for rec in records:
-            self.sink._through_tracer(rec)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        """The application shuts its provider down itself."""
 
 
 class SpanSink:
@@ -168,13 +123,10 @@ class SpanSink:
                 self._install_exporters()
             return "owned" if self.destinations else "off"
         if not isinstance(current, trace.ProxyTracerProvider):
-            self._tracer = current.get_tracer("perfsdk", __version__)
-            fallback = getattr(self._tracer, "id_generator", None)
-            if isinstance(fallback, IdGenerator):
-                self._tracer.id_generator = _PresetIds(fallback)
+            self._tracer = tracer = user_tracer(current)
             self.destinations = [self._destination(
-                "provider", "the application's TracerProvider", lambda: _ProviderExporter(self),
-                list)]
+                "provider", "the application's TracerProvider",
+                lambda: ProviderExporter(tracer), list)]
             return "user"
         if not self.config.exporters:
             return "off"
@@ -221,8 +173,8 @@ class SpanSink:
 
     def _spans(self, items: list[Any]) -> list[ReadableSpan]:
         """Region records (tuples) become spans; the application's spans pass as they are."""
-        resource = self.resource
-        return [region_span(it, resource) if type(it) is tuple else it for it in items]
+        resource, ranks = self.resource, rank_attributes()  # once a batch: about 1 us a read
+        return [region_span(it, resource, ranks) if type(it) is tuple else it for it in items]
 
     @property
     def decided(self) -> str | None:
@@ -249,27 +201,6 @@ class SpanSink:
         if self.mode != "off":
             for destination in self.destinations:
                 destination.offer(records)
-
-    def _through_tracer(self, rec: Record) -> None:
-        tracer = self._tracer
-        ids = getattr(tracer, "id_generator", None)
-        trace_id, parent_id = rec[TRACE], rec[PARENT]
-        if isinstance(ids, _PresetIds):
-            ids.span_id, ids.trace_id = rec[SPAN], trace_id
-        parent = Context()
-        if parent_id:
-            parent = trace.set_span_in_context(
-                NonRecordingSpan(SpanContext(trace_id, parent_id, False, SAMPLED)))
-        span = tracer.start_span(SPECS[rec[SPEC]].name, context=parent, kind=SpanKind.INTERNAL,
-                                 attributes=region_attributes(rec),
-                                 start_time=clocks.epoch_ns(rec[T0]))
-        for name, attrs, when in rec[EVENTS] or ():
-            span.add_event(name, attrs, when)
-        error = rec[ERROR]
-        if error is not None:
-            span.record_exception(error, escaped=True, timestamp=clocks.epoch_ns(rec[T1]))
-            span.set_status(status_of(error))
-        span.end(end_time=clocks.epoch_ns(rec[T1]))
 
     def flush(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -361,6 +292,9 @@ class SpanSink:
         for destination in live:
             stats = destination.stats()
             _add_account(total, stats)
+            exporter = destination.exporter
+            if isinstance(exporter, ProviderExporter):
+                stats.update(exporter.counts())
             per[destination.label] = stats
         lost = total["lost"]
         return {

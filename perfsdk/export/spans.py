@@ -8,7 +8,7 @@ import os
 import platform
 import socket
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from perfsdk._version import __version__
 from perfsdk.config import Config
 from perfsdk.memory import memory_attributes
 from perfsdk.record import (
+    ATTRS,
     DEVICE_MS,
     ERROR,
     EVENTS,
@@ -89,9 +90,20 @@ def _detect(config: Config, gpu: str | None) -> Resource:
     return Resource.create(attrs)
 
 
-def region_attributes(rec: Record) -> dict[str, Any]:
-    """Declared, per-call and set-while-running attributes plus the measured times."""
-    attrs = _record.attributes(rec)
+def region_attributes(rec: Record, ranks: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Declared, per-call and set-while-running attributes plus the measured times.
+
+    ``ranks``: :func:`perfsdk.distributed.rank_attributes` read once for a whole batch (it
+    costs about 1 us, as much as the rest of a span); read here when not given."""
+    if ranks is None:
+        attrs = _record.attributes(rec)
+    else:  # what record.attributes() does, with the batch's ranks
+        attrs = SPECS[rec[SPEC]].attributes.copy()
+        extra = rec[ATTRS]
+        if extra:
+            attrs.update(extra)
+        if ranks:
+            attrs.update(ranks)
     attrs["perfsdk.host_ms"] = (rec[T1] - rec[T0]) / 1e6
     device_ms = rec[DEVICE_MS]
     if device_ms is not None:
@@ -128,8 +140,10 @@ def status_of(error: BaseException | None) -> Status:
     return Status(StatusCode.ERROR, f"{type(error).__qualname__}: {error}")
 
 
-def region_span(rec: Record, resource: Resource) -> ReadableSpan:
-    """The finished span of a region, with the ids it was given at enter."""
+def region_span(rec: Record, resource: Resource,
+                ranks: Mapping[str, Any] | None = None) -> ReadableSpan:
+    """The finished span of a region, with the ids it was given at enter (``ranks``: see
+    :func:`region_attributes`)."""
     trace_id = rec[TRACE]
     error = rec[ERROR]
     if rec[EVENTS] is None and error is None:
@@ -144,7 +158,7 @@ def region_span(rec: Record, resource: Resource) -> ReadableSpan:
         SpanContext(trace_id, rec[SPAN], False, SAMPLED),
         SpanContext(trace_id, parent_id, False, SAMPLED) if parent_id else None,
         resource,
-        region_attributes(rec),
+        region_attributes(rec, ranks),
         events,
         (),
         SpanKind.INTERNAL,

@@ -441,3 +441,115 @@ def test_span_sink_leaves_metric_exporters_alone():
     spans = SpanSink(Config(exporters=(ConsoleMetricExporter(),)))
     spans._install_exporters()  # what its first region does, without a global provider
     assert spans.destinations == []
+
+
+# -- perfsdk's own histogram aggregation (perfsdk.export.histograms) ----------------------------
+def _timed(records: list[tuple[Any, ...]], ms: list[float],
+           device: list[float | None] | None = None) -> list[tuple[Any, ...]]:
+    """``records`` with host times of exactly ``ms`` (and device times ``device``)."""
+    from perfsdk.record import T0, T1
+
+    out = []
+    for i, (rec, value) in enumerate(zip(records, ms, strict=True)):
+        rec = (*rec[:T0], 10**9, 10**9 + round(value * 1e6), *rec[T1 + 1:])
+        if device is not None:
+            rec = (*rec[:DEVICE_MS], device[i], *rec[DEVICE_MS + 1:])
+        out.append(rec)
+    return out
+
+
+def _hist_points(data: Any, name: str) -> dict[tuple[tuple[str, Any], ...], dict[str, Any]]:
+    found = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == name:
+                    for p in metric.data.data_points:
+                        found[tuple(sorted(p.attributes.items()))] = {
+                            "count": p.count, "sum": p.sum, "min": p.min, "max": p.max,
+                            "buckets": tuple(p.bucket_counts),
+                            "bounds": tuple(p.explicit_bounds),
+                            "temporality": metric.data.aggregation_temporality,
+                            "unit": metric.unit, "description": metric.description}
+    return found
+
+
+@pytest.mark.parametrize("temporality", ["cumulative", "delta"])
+def test_own_histograms_equal_the_sdks(temporality: str):
+    """perfsdk's aggregation (a MetricExporter of perfsdk's) and the SDK's (a MetricReader) give
+    the same points, export after export: values on bucket bounds, two blocks with one name,
+    errors, device times, a stream that appears later and one with no new value."""
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    chosen = {Histogram: AggregationTemporality[temporality.upper()]}
+    exporter = _Recording()
+    exporter._preferred_temporality = chosen
+    ours = MetricsSink(Config(exporters=(exporter,)), global_provider=False)
+    reader = InMemoryMetricReader(preferred_temporality=chosen)
+    sdk = MetricsSink(Config(exporters=(reader,)), global_provider=False)
+
+    def work() -> None:
+        _work()
+        with perfsdk.timed_region("fwd"):  # a second block with the name "fwd"
+            pass
+
+    recs = records_of(work)
+    rounds = [
+        _timed(recs, [0.01, 1.0, 2.5, 0.3, 60000.0, 70000.0, 0.004, 5.0, 1.0],
+               [0.5, None, 1.0, None, None, None, 0.25, None, 2.0]),
+        _timed(recs[:3], [0.02, 0.01, 100.0]),  # only fwd: bwd and step get no new value
+        _timed(recs, [float(i) for i in range(1, 10)]),
+    ]
+    for batch in rounds:
+        ours.consume(batch)
+        sdk.consume(batch)
+        ours.flush(5.0)
+        got = exporter.batches[-1]
+        want = reader.get_metrics_data()
+        for name in ("perfsdk.region.duration", "perfsdk.region.device_duration"):
+            assert _hist_points(got, name) == _hist_points(want, name), name
+    assert ours._instruments is not None
+    assert ours._instruments.histograms is not None  # the values never reached the SDK
+    assert sdk._instruments is not None
+    assert sdk._instruments.histograms is None
+    ours.shutdown(5.0)
+    sdk.shutdown(5.0)
+
+
+def test_own_histograms_cumulative_points_keep_their_start():
+    exporter = _Recording()
+    sink = MetricsSink(Config(exporters=(exporter,)), global_provider=False)
+    recs = records_of(_work)
+    sink.consume(recs)
+    sink.flush(5.0)
+    sink.consume(recs)
+    sink.flush(5.0)
+    first, second = (
+        {p.attributes["perfsdk.region"]: p for rm in b.resource_metrics
+         for sm in rm.scope_metrics for m in sm.metrics if m.name == "perfsdk.region.duration"
+         for p in m.data.data_points} for b in exporter.batches)
+    for name, point in second.items():
+        assert point.start_time_unix_nano == first[name].start_time_unix_nano
+        assert point.time_unix_nano > first[name].time_unix_nano
+        assert point.count == 2 * first[name].count
+    sink.shutdown(5.0)
+
+
+def test_a_metric_reader_or_another_aggregation_keeps_the_sdks_histograms():
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
+
+    exponential = _Recording()
+    exponential._preferred_aggregation = {Histogram: ExponentialBucketHistogramAggregation()}
+    for exporters in ((_Recording(), InMemoryMetricReader()), (exponential,)):
+        sink = MetricsSink(Config(exporters=exporters), global_provider=False)
+        sink.consume(records_of(_work))
+        assert sink._instruments is not None
+        assert sink._instruments.histograms is None, exporters
+        sink.flush(5.0)
+        recorded = next(e for e in exporters if isinstance(e, _Recording))
+        names = {m.name for rm in recorded.batches[-1].resource_metrics
+                 for sm in rm.scope_metrics for m in sm.metrics}
+        assert "perfsdk.region.duration" in names
+        sink.shutdown(5.0)
