@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from perfsdk.export.summary import RegionStats, Summary
     from perfsdk.export.trace import write_trace
+    from perfsdk.flops import count_flops, peak_flops
     from perfsdk.instrumentor import instrument_all
     from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
     from perfsdk.region import Region, RegionResult
@@ -59,6 +60,7 @@ __all__ = (
     "auto",
     "bench",
     "configure",
+    "count_flops",
     "diagnostics",
     "distributed",
     "flush",
@@ -68,6 +70,7 @@ __all__ = (
     "instrument_module",
     "no_sync_guard",
     "optimize",
+    "peak_flops",
     "profiled",
     "shutdown",
     "step",
@@ -89,6 +92,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
                        "PerfSDKWarning", "SyncError", "SyncWarning"),
     "perfsdk.export.summary": ("RegionStats", "Summary"),
     "perfsdk.export.trace": ("write_trace",),
+    "perfsdk.flops": ("count_flops", "peak_flops"),
     "perfsdk.instrumentor": ("instrument_all",),
     "perfsdk.lifecycle": ("diagnostics", "flush", "shutdown", "summary"),
     "perfsdk.region": ("Region", "RegionResult"),

@@ -42,6 +42,7 @@ __all__ = [
     "PERFSDK_MEMORY_SNAPSHOTS",
     "PERFSDK_NVTX",
     "PERFSDK_OUTPUT_DIR",
+    "PERFSDK_PEAK_FLOPS",
     "PERFSDK_SAMPLE_EVERY",
     "PERFSDK_SERVICE_NAME",
     "PERFSDK_SYNC_GUARD",
@@ -163,6 +164,13 @@ PERFSDK_SYNC_GUARD: Final = "PERFSDK_SYNC_GUARD"
 """Override the mode of every :func:`perfsdk.no_sync_guard`: ``off``, ``count``, ``warn`` or
 ``error``. Default: unset (each guard keeps its own mode). Leave guards in the code and set
 ``error`` in CI, ``off`` in production."""
+
+PERFSDK_PEAK_FLOPS: Final = "PERFSDK_PEAK_FLOPS"
+"""The device's peak FLOP/s, the denominator of ``perfsdk.mfu`` (:func:`perfsdk.peak_flops`),
+for every dtype: a positive number (``989e12``) or one with a K/M/G/T/P suffix (``989T``).
+Default: unset (a GPU's dense tensor-core peak from perfsdk's table by its name, a CPU's
+measured GEMM peak; docs/flops.md). A bad value warns once and is ignored. Read at each
+:func:`perfsdk.peak_flops` call."""
 
 SYNC_GUARD_MODES: Final = ("off", "count", "warn", "error")
 """The accepted values of :data:`PERFSDK_SYNC_GUARD` and of ``configure(sync_guard=...)``."""

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from perfsdk.export.summary import format_flops, format_mfu
 from perfsdk.record import RegionResult
 from perfsdk.sync.ops import OPS
 
@@ -482,6 +483,16 @@ def _is_compute(r: RegionResult) -> bool:
             or r.name.rsplit(".", 1)[-1] in _COMPUTE_NAMES)
 
 
+def _mfu(steps: Sequence[RegionResult]) -> tuple[float, float] | None:
+    """(MFU, FLOP/s) of the steps that have ``perfsdk.mfu``, weighted by their time."""
+    timed = [(r.attributes["perfsdk.mfu"], r.attributes.get("perfsdk.flops_per_s", 0.0),
+              r.host_ms) for r in steps if r.attributes.get("perfsdk.mfu") is not None]
+    ms = sum(t for _, _, t in timed)
+    if not timed or ms <= 0:
+        return None
+    return (sum(m * t for m, _, t in timed) / ms, sum(f * t for _, f, t in timed) / ms)
+
+
 def compute_rule(run: Run, found: Sequence[Finding]) -> Finding | None:
     compute = [r for r in run.regions if _is_compute(r)]
     if not compute:
@@ -508,7 +519,11 @@ def compute_rule(run: Run, found: Sequence[Finding]) -> Finding | None:
     evidence = (f"forward/backward {_ms(total / per)} per {'step' if run.n_steps else 'run'}"
                 f" = {_pct(share)} of {run.of_loop()}; heaviest: "
                 + ", ".join(f"{n} {_ms(ms / per)}" for n, ms in heavy))
-    data = {"compute_ms": total, "share": share, "heaviest": dict(heavy)}
+    data: dict[str, Any] = {"compute_ms": total, "share": share, "heaviest": dict(heavy)}
+    mfu = _mfu(run.steps)
+    if mfu is not None:  # the steps were given their FLOPs: how busy the math units were
+        data["mfu"], data["flops_per_s"] = mfu
+        evidence += f"; MFU {format_mfu(mfu[0])} ({format_flops(mfu[1])} achieved)"
     measured = [s for s in ("amp", "compile", "channels_last") if s not in run.on]
     return _finding(run, "compute", "Compute-bound: forward and backward dominate", share,
                     evidence, data, [

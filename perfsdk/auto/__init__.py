@@ -54,19 +54,23 @@ __all__ = [
 ]
 
 
-def step(samples: int | None = None) -> Step:
+def step(samples: int | None = None, *, flops: float | None = None) -> Step:
     """Start the next step (ending the open one): ``with auto.step(samples=64): ...``, or call
     ``auto.step(samples=64)`` at the top of every iteration and :func:`end_step` after the loop.
 
     The step region is named ``step`` (category ``step``) with ``perfsdk.step`` (0-based index),
-    ``perfsdk.samples`` and, at its end, ``perfsdk.samples_per_s``. Regions inside the step nest
-    under it. With a schedule (:func:`set_schedule`), a step outside its active phase records
-    nothing, neither itself nor any region inside it.
+    ``perfsdk.samples`` and, at its end, ``perfsdk.samples_per_s``. Given ``flops``, the step's
+    model FLOPs (:func:`perfsdk.count_flops` of one step), its end also sets ``perfsdk.flops``,
+    ``perfsdk.flops_per_s`` (over the step's host time) and ``perfsdk.mfu`` (that over
+    :func:`perfsdk.peak_flops`, when the peak is known; docs/flops.md). Regions inside the step
+    nest under it. With a schedule (:func:`set_schedule`), a step outside its active phase
+    records nothing, neither itself nor any region inside it.
 
     Raises:
-        ValueError: ``samples`` is not None or an integer >= 1.
+        ValueError: ``samples`` is not None or an integer >= 1, or ``flops`` is not None or a
+            positive finite number.
     """
-    return STEPS.step(samples)
+    return STEPS.step(samples, flops=flops)
 
 
 def end_step() -> None:

@@ -1,7 +1,9 @@
 """Step boundaries and the schedule that decides which steps are recorded.
 
 A step is a region named ``step`` (category ``step``) with attributes ``perfsdk.step`` (0-based
-index), ``perfsdk.samples`` and, set at its end, ``perfsdk.samples_per_s``. Regions entered
+index), ``perfsdk.samples`` and, set at its end, ``perfsdk.samples_per_s``; given ``flops`` (the step's
+model FLOPs, :func:`perfsdk.count_flops`), also ``perfsdk.flops``, ``perfsdk.flops_per_s`` and
+``perfsdk.mfu`` (against :func:`perfsdk.peak_flops`) at its end. Regions entered
 inside a step nest under it (regions nest by context), so the step span parents the step's
 ``data_wait``, module and user regions.
 
@@ -26,6 +28,7 @@ import torch
 
 from perfsdk import config as _config
 from perfsdk.distributed import step_trace_id
+from perfsdk.flops.peaks import peak_flops
 from perfsdk.region import Region, RegionSpec, now_ns
 
 __all__ = [
@@ -37,6 +40,14 @@ PHASES = ("wait", "warmup", "active", "done")
 
 _state = _config.state
 _is_compiling = torch.compiler.is_dynamo_compiling
+
+
+def _flops(value: Any) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            or value == float("inf")):
+        raise ValueError(f"step: flops={value!r}; accepted values are None or a positive "
+                         "finite number (the step's model FLOPs, e.g. perfsdk.count_flops(...))")
+    return value
 
 
 def _count(where: str, arg: str, value: Any, minimum: int) -> int:
@@ -127,16 +138,19 @@ class Step:
     Attributes:
         index: The step's 0-based index.
         samples: Samples processed in the step, if given.
+        flops: The step's model FLOPs, if given.
         phase: The schedule's phase for it (``active`` without a schedule).
         region: The step's region while recorded, else None.
     """
 
-    __slots__ = ("_steps", "index", "phase", "region", "samples")
+    __slots__ = ("_steps", "flops", "index", "phase", "region", "samples")
 
-    def __init__(self, steps: Steps, index: int, samples: int | None, phase: str) -> None:
+    def __init__(self, steps: Steps, index: int, samples: int | None, phase: str,
+                 flops: float | None = None) -> None:
         self._steps = steps
         self.index = index
         self.samples = samples
+        self.flops = flops
         self.phase = phase
         self.region: Region | None = None
 
@@ -198,7 +212,8 @@ class Steps:
         self.next_index = 0
         self.explicit = False
 
-    def step(self, samples: int | None = None, *, implicit: bool = False) -> Step:
+    def step(self, samples: int | None = None, *, flops: float | None = None,
+             implicit: bool = False) -> Step:
         """End the open step, if any, and start the next; use it as a call or a ``with``.
 
         ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
@@ -206,6 +221,8 @@ class Steps:
         :attr:`explicit`)."""
         if samples is not None:
             _count("step", "samples", samples, 1)
+        if flops is not None:
+            _flops(flops)
         if not implicit:
             self.explicit = True
         self.end()
@@ -214,7 +231,7 @@ class Steps:
             self.next_index += 1
         sched = self.schedule
         phase = "active" if sched is None else sched.phase(index)
-        step = Step(self, index, samples, phase)
+        step = Step(self, index, samples, phase, flops)
         self.current = step
         for listener in list(self.listeners):
             _notify(listener.on_step_start, index)
@@ -248,11 +265,14 @@ class Steps:
         region, step.region = step.region, None
         if region is not None:
             t1 = 0
-            if step.samples is not None and region.t0:
+            flops = step.flops
+            if (step.samples is not None or flops is not None) and region.t0:
                 t1 = now_ns()  # the step ends at this reading: its rate is samples / its time
                 seconds = (t1 - region.t0) / 1e9
-                if seconds > 0:
+                if seconds > 0 and step.samples is not None:
                     region.set_attribute("perfsdk.samples_per_s", step.samples / seconds)
+                if flops is not None:
+                    _set_flops(region, flops, seconds)
             region.exit(error, t1)
         if self._paused:
             self._pause(False)
@@ -263,6 +283,25 @@ class Steps:
         """Skipped steps record nothing: the disabled path every region entry already tests."""
         self._paused = paused
         _state.enabled = (not paused) and _config.get_config().enabled
+
+
+def _set_flops(region: Region, flops: float, seconds: float) -> None:
+    """``perfsdk.flops``, and over the step's time ``perfsdk.flops_per_s`` and ``perfsdk.mfu``
+    (the peak is cached after its first lookup: a CPU measures it once, ~0.3 s, here)."""
+    region.set_attribute("perfsdk.flops", flops)
+    if seconds > 0:
+        rate = flops / seconds
+        region.set_attribute("perfsdk.flops_per_s", rate)
+        try:
+            peak = peak_flops()
+        except Exception as exc:  # a broken device query must not break the training loop
+            from perfsdk.errors import warn_once
+
+            warn_once(f"peak-flops:{type(exc).__name__}",
+                      f"perfsdk: no peak FLOP/s ({exc!r}), so no MFU; the loop goes on")
+            peak = None
+        if peak:
+            region.set_attribute("perfsdk.mfu", rate / peak)
 
 
 def _notify(fn: Any, index: int) -> None:

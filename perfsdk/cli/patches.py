@@ -7,7 +7,13 @@ While :class:`RunPatches` is installed:
 - ``Tensor.backward()`` runs inside a ``backward`` region,
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
-  region.
+  region,
+- step :data:`FLOPS_STEP` (after warm-up) runs its forward and backward calls inside
+  :class:`perfsdk.flops.ModelFlops` (torch's ``FlopCounterMode``, which observes without
+  changing results): that step gets ``perfsdk.flops``, and every later step the same FLOPs per
+  sample (its batch size times the counted step's FLOPs over its batch size), so its
+  ``perfsdk.flops_per_s`` and ``perfsdk.mfu``. The counted step itself has no rate: the counter
+  slows it down.
 
 While a framework integration's callback draws the steps (Lightning's, the Hugging Face
 Trainer's: :data:`perfsdk.instrumentor.FRAMEWORK_STEPS`), the batches start no step and
@@ -46,11 +52,16 @@ from torch.utils._pytree import tree_leaves
 from perfsdk.auto.dataloader import DataWaitIterator
 from perfsdk.auto.steps import STEPS
 from perfsdk.context import current_span
+from perfsdk.flops import ModelFlops
 from perfsdk.instrumentor import FRAMEWORK_STEPS
 from perfsdk.region import Region
 from perfsdk.timing import timed_region
 
-__all__ = ["RunPatches"]
+__all__ = ["FLOPS_STEP", "RunPatches"]
+
+FLOPS_STEP = 2
+"""The step whose forward and backward ``perfsdk run`` counts the FLOPs of (0-based: after the
+first steps' warm-up, compilation included)."""
 
 _in_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("perfsdk_run_forward",
                                                                   default=False)
@@ -58,6 +69,67 @@ _lock = threading.Lock()
 _BACKWARD = timed_region("backward", category="compute")
 _OPTIMIZER = timed_region("optimizer", category="update")
 _FORWARD: dict[str, timed_region] = {}
+
+
+class _StepFlops:
+    """The FLOPs of step :data:`FLOPS_STEP`, counted while it runs, then given to later steps."""
+
+    def __init__(self) -> None:
+        self.counting: Any = None  # the Step being counted
+        self.counted: ModelFlops | None = None
+        self.per_step: float | None = None
+        self.per_sample: float | None = None
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def wanted(self) -> ModelFlops | None:
+        """The counter for this forward or backward call, when it belongs to the counted step
+        (steps drawn by the patches, not by the script or a framework)."""
+        if self.per_step is not None or STEPS.explicit or FRAMEWORK_STEPS.active:
+            return None
+        step = STEPS.current
+        if step is None or step.index != FLOPS_STEP:
+            return None
+        if self.counting is not step:
+            self.counting, self.counted = step, ModelFlops()
+        return self.counted
+
+    def finish(self) -> None:
+        """Before the open step ends: the counted step gets its FLOPs; a later one the FLOPs of
+        its samples."""
+        step = STEPS.current
+        if step is None:
+            return
+        if step is self.counting and self.counted is not None:
+            total = self.counted.total
+            self.counting = self.counted = None
+            if total > 0:
+                self.per_step = float(total)
+                self.per_sample = total / step.samples if step.samples else None
+                if step.region is not None:
+                    step.region.set_attribute("perfsdk.flops", total)
+
+    def give(self, step: Any) -> None:
+        """A new step's FLOPs, once a step was counted (set before it ends, with its samples)."""
+        if self.per_step is None:
+            return
+        if self.per_sample is not None and step.samples:
+            step.flops = self.per_sample * step.samples
+        else:
+            step.flops = self.per_step
+
+
+_FLOPS = _StepFlops()
+
+
+def _counted(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, its FLOPs counted when it belongs to the counted step."""
+    counter = _FLOPS.wanted()
+    if counter is None:
+        return call(*args, **kwargs)
+    with counter:
+        return call(*args, **kwargs)
 
 
 class _Batches:
@@ -79,6 +151,7 @@ class _Batches:
     def __next__(self) -> Any:
         if STEPS.explicit or FRAMEWORK_STEPS.active:  # the script or a framework draws the
             return next(self._inner)                   # steps: leave them to it
+        _FLOPS.finish()
         if self._length is not None and self._seen >= self._length:
             STEPS.end()  # the end of the epoch: no step of its own
             return next(self._inner)
@@ -94,6 +167,7 @@ class _Batches:
             step.samples = samples
             if step.region is not None:
                 step.region.set_attribute("perfsdk.samples", samples)
+        _FLOPS.give(step)
         return item
 
     def __getattr__(self, name: str) -> Any:  # _MultiProcessingDataLoaderIter's own API
@@ -135,11 +209,12 @@ class RunPatches:
                 raise RuntimeError("perfsdk: run patches are already installed in this process")
             RunPatches._installed = self
         STEPS.set_schedule(STEPS.schedule)  # the run's steps count from 0
+        _FLOPS.reset()
         loader = torch.utils.data.DataLoader
         self._patch(loader, "__iter__", wrapt.FunctionWrapper(loader.__iter__, _iter_wrapper))
         self._patch(torch.Tensor, "backward",
                     wrapt.FunctionWrapper(torch.Tensor.backward,
-                                          _region_wrapper(_BACKWARD, "backward")))
+                                          _region_wrapper(_BACKWARD, "backward", count=True)))
         self._patch(torch.optim.Optimizer, "__init__",
                     wrapt.FunctionWrapper(torch.optim.Optimizer.__init__, self._init_wrapper))
         original_call = nn.Module.__call__
@@ -150,6 +225,7 @@ class RunPatches:
         """End the open step and restore every patched class attribute (in reverse order);
         idempotent."""
         if RunPatches._installed is self:
+            _FLOPS.finish()
             STEPS.end()
         while self._undo:
             owner, name, original = self._undo.pop()
@@ -193,12 +269,12 @@ def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     return _Batches(iter(wrapped(*args, **kwargs)), length)
 
 
-def _region_wrapper(region: timed_region, name: str) -> Callable[..., Any]:
+def _region_wrapper(region: timed_region, name: str, count: bool = False) -> Callable[..., Any]:
     """A wrapt wrapper running the call in ``region`` (named ``name``), once: a call inside the
     same wrapper (``Tensor.backward`` calls itself again through ``__torch_function__`` while a
     torch function mode is on, e.g. a ``no_sync_guard``), inside a region of the same name that
     the script or an integration opened around it, or while a framework's callback draws the
-    steps, runs as it is."""
+    steps, runs as it is. With ``count``, the FLOPs of the counted step's call are counted."""
     inside: contextvars.ContextVar[bool] = contextvars.ContextVar(f"perfsdk_run_{region!r}",
                                                                   default=False)
 
@@ -212,7 +288,7 @@ def _region_wrapper(region: timed_region, name: str) -> Callable[..., Any]:
         token = inside.set(True)
         try:
             with region:
-                return wrapped(*args, **kwargs)
+                return _counted(wrapped, *args, **kwargs) if count else wrapped(*args, **kwargs)
         finally:
             inside.reset(token)
     return wrapper
@@ -225,7 +301,7 @@ def _module_call(original: Callable[..., Any]) -> Callable[..., Any]:
         token = _in_forward.set(True)
         try:
             with _forward_region(self):
-                return original(self, *args, **kwargs)
+                return _counted(original, self, *args, **kwargs)
         finally:
             _in_forward.reset(token)
     return __call__

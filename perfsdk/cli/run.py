@@ -28,10 +28,10 @@ from perfsdk.advisor import Advice, advise
 from perfsdk.cli.patches import RunPatches
 from perfsdk.cli.runfile import RUN_FILE, RunRecorder, SavedRun, load_run, save_run
 from perfsdk.config import OTLP_ENDPOINT_VARS
-from perfsdk.export.summary import render
+from perfsdk.export.summary import format_flops, format_mfu, render
 
-__all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "output_files",
-           "print_report", "render_report", "report", "run_script"]
+__all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "flops_line",
+           "output_files", "print_report", "render_report", "report", "run_script"]
 
 
 def check_output_dir(directory: Path) -> str | None:
@@ -145,8 +145,32 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
                         files=files, summary=summary, regions=recorder.regions,
                         dropped=recorder.dropped)
     out.write(f"\nperfsdk run: {path} exited with {code} after {wall_s:.2f} s\n\n")
+    mfu = flops_line(summary)
+    if mfu:
+        out.write(mfu + "\n\n")
     render_report(summary, advice, out, {**files, "run": str(run_file)})
     return code
+
+
+def flops_line(summary: perfsdk.Summary) -> str | None:
+    """One line on the steps' FLOPs: achieved FLOP/s, MFU and the peak it is of (where that
+    peak comes from); None when no step had FLOPs (``perfsdk run`` counts them at step
+    :data:`~perfsdk.cli.patches.FLOPS_STEP`)."""
+    from perfsdk.flops import find_peak
+
+    row = next((r for r in summary.rows if r.flops_per_s is not None), None)
+    if row is None:
+        return None
+    line = f"FLOPs: {row.name} {format_flops(row.flops_per_s)} achieved (model FLOPs)"
+    if row.mfu is None:
+        return line + "; no MFU: the peak of this device is unknown (set PERFSDK_PEAK_FLOPS)"
+    peak = find_peak()
+    where = "" if peak is None else (
+        " measured on this CPU" if peak.source == "measured" else
+        f" from {peak.source}" if peak.source == "PERFSDK_PEAK_FLOPS" else
+        f" ({peak.device}, {peak.dtype} datasheet)")
+    return (line + f", MFU {format_mfu(row.mfu)} of a peak of "
+            f"{format_flops(row.flops_per_s / row.mfu)}{where}")
 
 
 def output_files(directory: Path) -> dict[str, str]:

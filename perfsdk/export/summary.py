@@ -1,4 +1,5 @@
-"""The in-process summary: count, total, mean and p50/p95/p99 of host and device time per region.
+"""The in-process summary: count, total, mean and p50/p95/p99 of host and device time per region,
+and for steps given their FLOPs (``perfsdk.step(flops=...)``) the achieved FLOP/s and MFU.
 
 Each name keeps at most ``RESERVOIR`` samples (uniform reservoir sampling beyond that), so a
 million-step run uses bounded memory while count, total and mean stay exact.
@@ -15,7 +16,7 @@ from typing import Any
 
 from perfsdk.record import ATTRS, DEVICE_MS, ERROR, SPEC, SPECS, T0, T1
 
-__all__ = ["RegionStats", "Summary", "SummarySink"]
+__all__ = ["RegionStats", "Summary", "SummarySink", "format_flops", "format_mfu"]
 
 RESERVOIR = 10_000
 
@@ -50,6 +51,12 @@ class RegionStats:
     device_p99_ms: float | None = None
     syncs: int = 0
     """Host-device syncs that a ``no_sync_guard`` saw inside this region (all calls)."""
+    flops_per_s: float | None = None
+    """Achieved FLOP/s over the calls that had ``perfsdk.flops_per_s`` (steps given ``flops``):
+    their FLOPs over their host time; None without any."""
+    mfu: float | None = None
+    """Model FLOPs utilization, 0..1, over the calls that had ``perfsdk.mfu``, weighted by
+    their host time; None without any."""
 
 
 class _Series:
@@ -79,13 +86,32 @@ class _Series:
 
 
 class _Acc:
-    __slots__ = ("device", "errors", "host", "syncs")
+    __slots__ = ("device", "errors", "flops", "host", "syncs")
 
     def __init__(self) -> None:
         self.host = _Series()
         self.device = _Series()
         self.errors = 0
         self.syncs = 0
+        self.flops: list[float] | None = None
+        """[FLOPs, seconds, MFU x seconds, seconds with an MFU] of the calls with a FLOP rate."""
+
+    def add_flops(self, attrs: dict[str, Any], seconds: float) -> None:
+        flops = self.flops
+        if flops is None:
+            flops = self.flops = [0.0, 0.0, 0.0, 0.0]
+        flops[0] += attrs["perfsdk.flops_per_s"] * seconds
+        flops[1] += seconds
+        mfu = attrs.get("perfsdk.mfu")
+        if mfu is not None:
+            flops[2] += mfu * seconds
+            flops[3] += seconds
+
+    def flop_rates(self) -> tuple[float | None, float | None]:
+        flops = self.flops
+        if flops is None or flops[1] <= 0:
+            return None, None
+        return flops[0] / flops[1], (flops[2] / flops[3] if flops[3] > 0 else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +160,35 @@ def _ms(value: float | None) -> str:
     return f"{value:.3f}"
 
 
+def format_flops(value: float, unit: str = "FLOP/s") -> str:
+    """A FLOP count or rate with an SI prefix: ``312.5 TFLOP/s``, ``1.2 GFLOP``."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {prefix}{unit}"
+    return f"{value:.1f} {unit}"
+
+
+def format_mfu(value: float) -> str:
+    """MFU (0..1) as a percentage, with two significant digits below 1%: ``41.3%``, ``0.032%``."""
+    percent = 100 * value
+    return f"{percent:.1f}%" if percent >= 1 else f"{percent:.2g}%"
+
+
 def render(rows: Sequence[RegionStats]) -> str:
-    """A plain-text table, widest region first; device columns only when there are timings."""
+    """A plain-text table, widest region first; device columns only when there are timings,
+    FLOP/s and MFU columns only when a region (a step given ``flops``) has them."""
     if not rows:
         return "perfsdk summary: no regions recorded yet."
     device = any(r.device_count for r in rows)
     syncs = any(r.syncs for r in rows)
+    flops = any(r.flops_per_s is not None for r in rows)
     headers = ["region", "calls", "errors", "total ms", "mean ms", "p50 ms", "p95 ms", "p99 ms"]
     if device:
         headers += ["gpu total ms", "gpu mean ms", "gpu p50", "gpu p95", "gpu p99"]
     if syncs:
         headers.append("syncs")
+    if flops:
+        headers += ["FLOP/s", "MFU"]
     body = []
     for r in rows:
         line = [r.name, f"{r.count:,}", f"{r.errors:,}" if r.errors else "", _ms(r.total_ms),
@@ -154,6 +198,9 @@ def render(rows: Sequence[RegionStats]) -> str:
                      _ms(r.device_p95_ms), _ms(r.device_p99_ms)]
         if syncs:
             line.append(f"{r.syncs:,}" if r.syncs else "")
+        if flops:
+            line += [format_flops(r.flops_per_s, "") if r.flops_per_s is not None else "",
+                     format_mfu(r.mfu) if r.mfu is not None else ""]
         body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
 
@@ -189,8 +236,11 @@ class SummarySink:
                 if rec[ERROR] is not None:
                     acc.errors += 1
                 attrs = rec[ATTRS]
-                if attrs and "perfsdk.syncs" in attrs:
-                    acc.syncs += int(attrs["perfsdk.syncs"])
+                if attrs:
+                    if "perfsdk.syncs" in attrs:
+                        acc.syncs += int(attrs["perfsdk.syncs"])
+                    if "perfsdk.flops_per_s" in attrs:
+                        acc.add_flops(attrs, (rec[T1] - rec[T0]) / 1e9)
 
     def tally(self, overflow: dict[int, list[int]]) -> None:
         """Regions the pipeline could not queue (``{spec index: [calls, host ns, errors]}``):
@@ -224,10 +274,11 @@ class SummarySink:
     def snapshot(self) -> Summary:
         with self._lock:
             items = [(name, acc.host.count, acc.host.total, sorted(acc.host.samples), acc.errors,
-                      acc.device.count, acc.device.total, sorted(acc.device.samples), acc.syncs)
+                      acc.device.count, acc.device.total, sorted(acc.device.samples), acc.syncs,
+                      acc.flop_rates())
                      for name, acc in self._acc.items()]
         rows = []
-        for name, count, total, host, errors, dcount, dtotal, dev, syncs in items:
+        for name, count, total, host, errors, dcount, dtotal, dev, syncs, rates in items:
             rows.append(RegionStats(
                 name=name, count=count, errors=errors, total_ms=total, mean_ms=total / count,
                 p50_ms=percentile(host, 50), p95_ms=percentile(host, 95),
@@ -237,6 +288,7 @@ class SummarySink:
                 device_p50_ms=percentile(dev, 50) if dcount else None,
                 device_p95_ms=percentile(dev, 95) if dcount else None,
                 device_p99_ms=percentile(dev, 99) if dcount else None, syncs=syncs,
+                flops_per_s=rates[0], mfu=rates[1],
             ))
         rows.sort(key=lambda r: (r.device_total_ms or 0.0, r.total_ms), reverse=True)
         return Summary(tuple(rows))

@@ -36,7 +36,7 @@ LAYERS: dict[str, int] = {
     "perfsdk.export": 2,
     # 3 capabilities built on regions
     "perfsdk.auto": 3, "perfsdk.sync": 3, "perfsdk.advisor": 3, "perfsdk.bench": 3,
-    "perfsdk.compare": 3, "perfsdk.optimize": 3,
+    "perfsdk.compare": 3, "perfsdk.optimize": 3, "perfsdk.flops": 3,
     # 4 the composition root
     "perfsdk.lifecycle": 4,
     # 5 front ends: the package face, the command, test helpers, the integration contract
