@@ -38,7 +38,8 @@ DOCTEST_MODULES = ("decorator", "timing", "config", "lifecycle", "testing", "syn
                    "_progress", "optimize.amp", "optimize.backends", "optimize.channels_last",
                    "optimize.checkpoint", "optimize.dataloader", "optimize.train_step", "auto",
                    "auto.dataloader", "auto.steps", "auto.module",
-                   "advisor", "export.trace", "cli.patches", "optimize._marks", "distributed")
+                   "advisor", "export.trace", "cli.patches", "optimize._marks", "distributed",
+                   "flops.count", "flops.peaks")
 TIMEOUT = 180
 
 _FENCE_OPEN = re.compile(r"^```python(?P<flags>[ \t]+[\w -]+)?[ \t]*$")

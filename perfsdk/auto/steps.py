@@ -1,9 +1,9 @@
 """Step boundaries and the schedule that decides which steps are recorded.
 
 A step is a region named ``step`` (category ``step``) with attributes ``perfsdk.step`` (0-based
-index), ``perfsdk.samples`` and, set at its end, ``perfsdk.samples_per_s``; given ``flops`` (the step's
-model FLOPs, :func:`perfsdk.count_flops`), also ``perfsdk.flops``, ``perfsdk.flops_per_s`` and
-``perfsdk.mfu`` (against :func:`perfsdk.peak_flops`) at its end. Regions entered
+index), ``perfsdk.samples`` and, set at its end, ``perfsdk.samples_per_s``; given ``flops`` (the
+step's model FLOPs, :func:`perfsdk.count_flops`), also ``perfsdk.flops``, ``perfsdk.flops_per_s``
+and ``perfsdk.mfu`` (against :func:`perfsdk.peak_flops`) at its end. Regions entered
 inside a step nest under it (regions nest by context), so the step span parents the step's
 ``data_wait``, module and user regions.
 

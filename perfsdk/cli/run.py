@@ -159,9 +159,10 @@ def flops_line(summary: perfsdk.Summary) -> str | None:
     from perfsdk.flops import find_peak
 
     row = next((r for r in summary.rows if r.flops_per_s is not None), None)
-    if row is None:
+    if row is None or row.flops_per_s is None:
         return None
-    line = f"FLOPs: {row.name} {format_flops(row.flops_per_s)} achieved (model FLOPs)"
+    rate = row.flops_per_s
+    line = f"FLOPs: {row.name} {format_flops(rate)} achieved (model FLOPs)"
     if row.mfu is None:
         return line + "; no MFU: the peak of this device is unknown (set PERFSDK_PEAK_FLOPS)"
     peak = find_peak()
@@ -170,7 +171,7 @@ def flops_line(summary: perfsdk.Summary) -> str | None:
         f" from {peak.source}" if peak.source == "PERFSDK_PEAK_FLOPS" else
         f" ({peak.device}, {peak.dtype} datasheet)")
     return (line + f", MFU {format_mfu(row.mfu)} of a peak of "
-            f"{format_flops(row.flops_per_s / row.mfu)}{where}")
+            f"{format_flops(rate / row.mfu)}{where}")
 
 
 def output_files(directory: Path) -> dict[str, str]:

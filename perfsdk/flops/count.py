@@ -133,7 +133,7 @@ def _graph_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     """The leaf tensors (parameters, inputs) whose gradients ``roots``' backward computes."""
     leaves: list[torch.Tensor] = []
     seen: set[Any] = set()
-    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -155,9 +155,10 @@ def count_flops(fn_or_module: Callable[..., Any], /, *args: Any, backward: bool 
     With ``backward=True`` the backward is that of ``out.sum()`` -- for a tuple, list or dict
     output, of the sum of ``.sum()`` of every floating-point tensor in it that requires grad --
     and every ``.grad`` it reaches (parameters, inputs) is put back as it was: the same tensor,
-    or None (hooks on gradient accumulation run, as in any backward). A module's buffers (BatchNorm's running statistics, counters) are put back as
-    they were, also when ``fn_or_module`` is a bound method of a module (``model.forward``);
-    a plain function's state is its own. Random number generators advance as in any call.
+    or None (hooks on gradient accumulation run, as in any backward). A module's buffers
+    (BatchNorm's running statistics, counters) are put back as they were, also when
+    ``fn_or_module`` is a bound method of a module (``model.forward``); a plain function's
+    state is its own. Random number generators advance as in any call.
     Only the ops ``FlopCounterMode`` knows count (matmuls, convolutions, attention), and
     recomputation from activation checkpointing is not credited (docs/flops.md).
 

@@ -68,66 +68,66 @@ class DeviceSpec:
     source: str
 
 
-def _T(x: float) -> float:  # noqa: N802 -- TFLOP/s as in the datasheets
+def _tf(x: float) -> float:
     return x * 1e12
 
 
-H100_PAGE = "https://www.nvidia.com/en-us/data-center/h100/"
-H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
+_H100 = "https://www.nvidia.com/en-us/data-center/h100/"
+_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
 
 GPUS: Final[tuple[DeviceSpec, ...]] = (
     # NVIDIA's Hopper and Blackwell datasheets give tensor-core peaks with sparsity only: the
     # dense values here are half of those (as the datasheets' footnotes say).
-    DeviceSpec("NVIDIA GB200", r"\bgb200\b", _T(2500), _T(2500), _T(1250), _T(90),
+    DeviceSpec("NVIDIA GB200", r"\bgb200\b", _tf(2500), _tf(2500), _tf(1250), _tf(90),
                "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (per GPU: half of a "
                "superchip)"),
-    DeviceSpec("NVIDIA B200", r"\bb200\b", _T(2250), _T(2250), _T(1125), _T(75),
+    DeviceSpec("NVIDIA B200", r"\bb200\b", _tf(2250), _tf(2250), _tf(1125), _tf(75),
                "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU: an eighth)"),
-    DeviceSpec("NVIDIA GH200", r"\bgh200\b", _T(989.5), _T(989.5), _T(494.5), _T(67),
+    DeviceSpec("NVIDIA GH200", r"\bgh200\b", _tf(989.5), _tf(989.5), _tf(494.5), _tf(67),
                "https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/"),
-    DeviceSpec("NVIDIA H200 NVL", r"\bh200\b.*\bnvl\b", _T(835.5), _T(835.5), _T(417.5), _T(60),
-               H200_PAGE),
-    DeviceSpec("NVIDIA H200 SXM", r"\bh200\b", _T(989.5), _T(989.5), _T(494.5), _T(67),
-               H200_PAGE),
-    DeviceSpec("NVIDIA H100 NVL", r"\bh100\b.*\bnvl\b", _T(835.5), _T(835.5), _T(417.5), _T(60),
-               H100_PAGE),
-    DeviceSpec("NVIDIA H100 PCIe", r"\bh100\b.*\bpcie\b", _T(756.5), _T(756.5), _T(378), _T(51),
-               H100_PAGE),
-    DeviceSpec("NVIDIA H100 SXM", r"\bh100\b", _T(989.5), _T(989.5), _T(494.5), _T(67),
-               H100_PAGE),
+    DeviceSpec("NVIDIA H200 NVL", r"\bh200\b.*\bnvl\b", _tf(835.5), _tf(835.5), _tf(417.5), _tf(60),
+               _H200),
+    DeviceSpec("NVIDIA H200 SXM", r"\bh200\b", _tf(989.5), _tf(989.5), _tf(494.5), _tf(67),
+               _H200),
+    DeviceSpec("NVIDIA H100 NVL", r"\bh100\b.*\bnvl\b", _tf(835.5), _tf(835.5), _tf(417.5), _tf(60),
+               _H100),
+    DeviceSpec("NVIDIA H100 PCIe", r"\bh100\b.*\bpcie\b", _tf(756.5), _tf(756.5), _tf(378), _tf(51),
+               _H100),
+    DeviceSpec("NVIDIA H100 SXM", r"\bh100\b", _tf(989.5), _tf(989.5), _tf(494.5), _tf(67),
+               _H100),
     # Ampere and Ada datasheets list dense and sparse values; these are the dense ones.
-    DeviceSpec("NVIDIA A100 (SXM and PCIe)", r"\ba100\b", _T(312), _T(312), _T(156), _T(19.5),
+    DeviceSpec("NVIDIA A100 (SXM and PCIe)", r"\ba100\b", _tf(312), _tf(312), _tf(156), _tf(19.5),
                "https://www.nvidia.com/en-us/data-center/a100/"),
-    DeviceSpec("NVIDIA L40S", r"\bl40s\b", _T(362.05), _T(362.05), _T(183), _T(91.6),
+    DeviceSpec("NVIDIA L40S", r"\bl40s\b", _tf(362.05), _tf(362.05), _tf(183), _tf(91.6),
                "https://www.nvidia.com/en-us/data-center/l40s/"),
-    DeviceSpec("NVIDIA L40", r"\bl40\b", _T(181.05), _T(181.05), _T(90.5), _T(90.5),
+    DeviceSpec("NVIDIA L40", r"\bl40\b", _tf(181.05), _tf(181.05), _tf(90.5), _tf(90.5),
                "https://www.nvidia.com/en-us/data-center/l40/"),
-    DeviceSpec("NVIDIA L4", r"\bl4\b", _T(121), _T(121), _T(60), _T(30.3),
+    DeviceSpec("NVIDIA L4", r"\bl4\b", _tf(121), _tf(121), _tf(60), _tf(30.3),
                "https://www.nvidia.com/en-us/data-center/l4/ (sparse values halved)"),
-    DeviceSpec("NVIDIA A40", r"\ba40\b", _T(149.7), _T(149.7), _T(74.8), _T(37.4),
+    DeviceSpec("NVIDIA A40", r"\ba40\b", _tf(149.7), _tf(149.7), _tf(74.8), _tf(37.4),
                "https://www.nvidia.com/en-us/data-center/a40/"),
-    DeviceSpec("NVIDIA A10", r"\ba10\b", _T(125), _T(125), _T(62.5), _T(31.2),
+    DeviceSpec("NVIDIA A10", r"\ba10\b", _tf(125), _tf(125), _tf(62.5), _tf(31.2),
                "https://www.nvidia.com/en-us/data-center/products/a10-gpu/"),
     # GeForce: the whitepapers' FP16/BF16 tensor peaks with FP32 accumulate (what torch's
     # matmuls use), half of the FP16-accumulate peak on these parts.
-    DeviceSpec("NVIDIA GeForce RTX 4090", r"\brtx 4090\b", _T(165.2), _T(165.2), _T(82.6),
-               _T(82.6), "NVIDIA Ada GPU Architecture whitepaper, appendix table (RTX 4090)"),
-    DeviceSpec("NVIDIA GeForce RTX 3090", r"\brtx 3090\b", _T(71), _T(71), _T(35.6), _T(35.6),
+    DeviceSpec("NVIDIA GeForce RTX 4090", r"\brtx 4090\b", _tf(165.2), _tf(165.2), _tf(82.6),
+               _tf(82.6), "NVIDIA Ada GPU Architecture whitepaper, appendix table (RTX 4090)"),
+    DeviceSpec("NVIDIA GeForce RTX 3090", r"\brtx 3090\b", _tf(71), _tf(71), _tf(35.6), _tf(35.6),
                "NVIDIA Ampere GA102 GPU Architecture whitepaper, table 9 (RTX 3090)"),
     # Volta and Turing: FP16 tensor cores only (no bfloat16, no TF32).
-    DeviceSpec("NVIDIA V100S PCIe", r"\bv100s\b", None, _T(130), None, _T(16.4),
+    DeviceSpec("NVIDIA V100S PCIe", r"\bv100s\b", None, _tf(130), None, _tf(16.4),
                "https://www.nvidia.com/en-us/data-center/v100/"),
-    DeviceSpec("NVIDIA V100 PCIe", r"\bv100\b.*\bpcie\b", None, _T(112), None, _T(14),
+    DeviceSpec("NVIDIA V100 PCIe", r"\bv100\b.*\bpcie\b", None, _tf(112), None, _tf(14),
                "https://www.nvidia.com/en-us/data-center/v100/"),
-    DeviceSpec("NVIDIA V100 SXM2", r"\bv100\b", None, _T(125), None, _T(15.7),
+    DeviceSpec("NVIDIA V100 SXM2", r"\bv100\b", None, _tf(125), None, _tf(15.7),
                "https://www.nvidia.com/en-us/data-center/v100/"),
-    DeviceSpec("NVIDIA T4", r"\bt4\b", None, _T(65), None, _T(8.1),
+    DeviceSpec("NVIDIA T4", r"\bt4\b", None, _tf(65), None, _tf(8.1),
                "https://www.nvidia.com/en-us/data-center/tesla-t4/"),
     # AMD Instinct (ROCm builds of torch report these names through the same interface).
-    DeviceSpec("AMD Instinct MI300X", r"\bmi300x\b", _T(1307.4), _T(1307.4), _T(653.7),
-               _T(163.4),
+    DeviceSpec("AMD Instinct MI300X", r"\bmi300x\b", _tf(1307.4), _tf(1307.4), _tf(653.7),
+               _tf(163.4),
                "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
-    DeviceSpec("AMD Instinct MI250X", r"\bmi250x\b", _T(383), _T(383), None, _T(95.7),
+    DeviceSpec("AMD Instinct MI250X", r"\bmi250x\b", _tf(383), _tf(383), None, _tf(95.7),
                "https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html"),
 )
 """Dense peak FLOP/s of common GPUs, first match wins (docs/flops.md shows it as a table).

@@ -289,3 +289,48 @@ def test_no_numpy_warning_from_torch_reaches_the_output(tmp_path) -> None:
     assert "sum 3" in proc.stdout
     assert "NumPy" not in proc.stderr
     assert proc.stderr == ""
+
+
+TINY_TRAINING = """\
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = TensorDataset(torch.randn(48, 32), torch.randint(0, 4, (48,)))
+for x, y in DataLoader(data, batch_size=8):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_run_counts_a_steps_flops_and_reports_mfu(tmp_path) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_TRAINING)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERFSDK_", "OTEL_"))}
+    env["PERFSDK_PEAK_FLOPS"] = "1e9"
+    proc = subprocess.run([sys.executable, "-m", "perfsdk.cli", "run", "--output-dir",
+                           str(tmp_path / "out"), str(script)], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    # one step's model FLOPs: forward 2*8*(32*64 + 64*4), the weights' gradients as much again,
+    # and the input gradient of the second layer (the batch needs none)
+    per_step = 2 * (2 * 8 * (32 * 64 + 64 * 4)) + 2 * 8 * 64 * 4
+    assert "FLOPs: step" in proc.stdout
+    assert "from PERFSDK_PEAK_FLOPS" in proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("region "))
+    assert header.split()[-2:] == ["FLOP/s", "MFU"]
+    run = load_run(tmp_path / "out")
+    steps = sorted((r for r in run.regions if r.name == "step"),
+                   key=lambda r: r.attributes["perfsdk.step"])
+    assert [r.attributes.get("perfsdk.flops") for r in steps] == [None, None, *[per_step] * 4]
+    for r in steps[3:]:
+        assert r.attributes["perfsdk.mfu"] == pytest.approx(
+            r.attributes["perfsdk.flops_per_s"] / 1e9, rel=1e-12)
+    row = run.summary["step"]
+    assert row.mfu is not None
+    assert row.flops_per_s is not None
+    assert row.mfu == pytest.approx(row.flops_per_s / 1e9, rel=1e-9)

@@ -97,7 +97,8 @@ def test_a_conv_net_counts_what_flop_counter_mode_counts() -> None:
     ours = count_flops(net, x), count_flops(net, x, backward=True)
     theirs = torch_count(net, x), torch_count(net, x, backward=True)
     assert ours == theirs
-    assert ours[0] > 0 and ours[1] > ours[0]
+    assert ours[0] > 0
+    assert ours[1] > ours[0]
 
 
 def test_no_grad_is_left_behind_and_existing_grads_are_kept() -> None:
@@ -157,7 +158,8 @@ def test_outputs_in_a_tuple_or_dict_add_up() -> None:
     single = count_flops(a, x, backward=True) + count_flops(b, x, backward=True)
     assert count_flops(lambda t: (a(t), b(t)), x, backward=True) == single
     assert count_flops(lambda t: {"a": a(t), "b": [b(t)], "n": 3}, x, backward=True) == single
-    assert a.weight.grad is None and b.weight.grad is None
+    assert a.weight.grad is None
+    assert b.weight.grad is None
 
 
 def test_kwargs_reach_the_call() -> None:
@@ -215,7 +217,9 @@ def test_gpu_peaks_come_from_the_table_by_device_name(name, dtype, expected) -> 
     with use_fake_cuda(gpu(name)):
         assert peak_flops(dtype) == expected
         peak = find_peak(dtype)
-        assert peak is not None and peak.device == name and peak.source.strip()
+        assert peak is not None
+        assert peak.device == name
+        assert peak.source.strip()
 
 
 def test_every_table_row_cites_a_source_and_matches_its_own_name() -> None:
@@ -319,9 +323,8 @@ def test_a_step_given_flops_gets_its_rate_and_mfu(monkeypatch) -> None:
 
 def test_a_step_on_an_unknown_gpu_has_a_rate_but_no_mfu() -> None:
     with use_fake_cuda(gpu("Mystery GPU")), use_fake_clock() as clock, capture() as cap, \
-            pytest.warns(PerfSDKWarning, match="PERFSDK_PEAK_FLOPS"):
-        with auto.step(flops=1e9):
-            clock.advance(5)
+            pytest.warns(PerfSDKWarning, match="PERFSDK_PEAK_FLOPS"), auto.step(flops=1e9):
+        clock.advance(5)
     (step,) = cap.named("step")
     assert step.attributes["perfsdk.flops_per_s"] == 1e9 / 0.005
     assert "perfsdk.mfu" not in step.attributes
@@ -329,9 +332,8 @@ def test_a_step_on_an_unknown_gpu_has_a_rate_but_no_mfu() -> None:
 
 def test_a_step_on_a_known_gpu_uses_its_table_peak() -> None:
     with use_fake_cuda(gpu("NVIDIA A100-SXM4-80GB")), use_fake_clock() as clock, \
-            capture() as cap:
-        with auto.step(flops=312e9):
-            clock.advance(1000)
+            capture() as cap, auto.step(flops=312e9):
+        clock.advance(1000)
     (step,) = cap.named("step")
     assert step.attributes["perfsdk.mfu"] == pytest.approx(1e-3, rel=1e-12)
 
@@ -356,12 +358,15 @@ def test_the_summary_gets_flop_rate_and_mfu_columns(monkeypatch) -> None:
     row = summary["step"]
     assert row.flops_per_s == pytest.approx(2e9 / 0.040)  # all FLOPs over all the time
     assert row.mfu == pytest.approx(2e9 / 0.040 / 1e11)
-    assert summary["setup"].flops_per_s is None and summary["setup"].mfu is None
+    assert summary["setup"].flops_per_s is None
+    assert summary["setup"].mfu is None
     text = str(summary)
     header = text.splitlines()[0]
-    assert "FLOP/s" in header and "MFU" in header
+    assert "FLOP/s" in header
+    assert "MFU" in header
     step_line = next(line for line in text.splitlines() if line.startswith("step"))
-    assert "50.0 G" in step_line and "50.0%" in step_line
+    assert "50.0 G" in step_line
+    assert "50.0%" in step_line
 
 
 def test_the_compute_finding_states_the_mfu(monkeypatch) -> None:
@@ -376,4 +381,5 @@ def test_the_compute_finding_states_the_mfu(monkeypatch) -> None:
     (compute,) = [f for f in advise(cap.regions).findings if f.kind == "compute"]
     assert compute.data["mfu"] == pytest.approx(1e8 / 0.041 / 1e10)
     assert compute.data["flops_per_s"] == pytest.approx(1e8 / 0.041)
-    assert "MFU 24.4%" in compute.evidence and "2.4 GFLOP/s achieved" in compute.evidence
+    assert "MFU 24.4%" in compute.evidence
+    assert "2.4 GFLOP/s achieved" in compute.evidence

@@ -173,3 +173,70 @@ def test_the_patches_step_aside_while_a_framework_draws_the_steps() -> None:
     names = [r.name for r in plain.regions]
     assert {n: names.count(n) for n in set(names)} == {
         "step": 3, "data_wait": 3, "Sequential.forward": 3, "backward": 3, "optimizer": 3}
+
+
+class Sized(Dataset):
+    def __len__(self) -> int:
+        return 18  # batches of 4: four full ones, then 2 samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(4, generator=g), torch.tensor(i % 2)
+
+
+def _loop(model: nn.Module, *, explicit: bool = False) -> None:
+    import perfsdk
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in DataLoader(Sized(), batch_size=4):
+        if explicit:
+            perfsdk.step(samples=len(x))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if explicit:
+        perfsdk.auto.end_step()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_the_run_counts_one_steps_flops_and_gives_later_steps_theirs(monkeypatch) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from perfsdk.cli.patches import FLOPS_STEP
+
+    monkeypatch.setenv("PERFSDK_PEAK_FLOPS", "1e12")
+    probe = _model()
+    x, y = next(iter(DataLoader(Sized(), batch_size=4)))
+    with FlopCounterMode(display=False) as counter:  # one step's forward and backward
+        nn.functional.cross_entropy(probe(x), y).backward()
+    per_step = counter.get_total_flops()
+    assert per_step == 2 * 4 * (4 * 8 + 8 * 2) * 2 + 2 * 4 * 8 * 2  # + grad input of layer 2
+
+    expected = _model()
+    _loop(expected)
+    got = _model()
+    with capture() as cap, RunPatches():
+        _loop(got)
+    for a, b in zip(got.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # counting changed no result
+    steps = sorted(cap.named("step"), key=lambda r: r.attributes["perfsdk.step"])
+    assert [r.attributes.get("perfsdk.flops") for r in steps] == [
+        None, None, per_step, per_step, per_step / 2]  # the last batch has 2 samples
+    counted = steps[FLOPS_STEP]
+    assert "perfsdk.flops_per_s" not in counted.attributes  # the counter slowed it down
+    for r in steps[FLOPS_STEP + 1:]:
+        rate = r.attributes["perfsdk.flops"] / (r.host_ms / 1e3)
+        assert r.attributes["perfsdk.flops_per_s"] == pytest.approx(rate, rel=1e-6)
+        assert r.attributes["perfsdk.mfu"] == r.attributes["perfsdk.flops_per_s"] / 1e12
+
+
+def test_the_run_counts_nothing_when_the_script_draws_its_own_steps() -> None:
+    with capture() as cap, RunPatches():
+        _loop(_model(), explicit=True)
+    steps = cap.named("step")
+    assert len(steps) >= 5  # the script's five (the first batch came before its first call)
+    assert not any("perfsdk.flops" in r.attributes for r in steps)
