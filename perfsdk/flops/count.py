@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from perfsdk.errors import warn_once
+
 __all__ = ["ModelFlops", "count_flops"]
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -34,9 +36,16 @@ def _recomputing() -> bool:
     return _current_node() is not None and torch.is_grad_enabled()
 
 
-def _model_only(formula: Callable[..., int]) -> Callable[..., int]:
+def _model_only(op: Any, formula: Callable[..., int]) -> Callable[..., int]:
     def count(*args: Any, **kwargs: Any) -> int:
-        return 0 if _recomputing() else formula(*args, **kwargs)
+        if _recomputing():
+            return 0
+        try:
+            return formula(*args, **kwargs)
+        except Exception as exc:  # a formula that fails must not fail the user's op
+            warn_once(f"flop-formula:{op}", f"perfsdk: torch's FLOP formula for {op} failed "
+                      f"({exc!r}); its calls count 0 FLOPs")
+            return 0
 
     count._get_raw = True  # type: ignore[attr-defined]  # formula already takes raw arguments
     return count
@@ -46,7 +55,7 @@ def _model_only(formula: Callable[..., int]) -> Callable[..., int]:
 def _mapping() -> dict[Any, Any]:
     from torch.utils.flop_counter import flop_registry
 
-    return {op: _model_only(formula) for op, formula in flop_registry.items()}
+    return {op: _model_only(op, formula) for op, formula in flop_registry.items()}
 
 
 _HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"

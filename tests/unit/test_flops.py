@@ -383,3 +383,17 @@ def test_the_compute_finding_states_the_mfu(monkeypatch) -> None:
     assert compute.data["flops_per_s"] == pytest.approx(1e8 / 0.041)
     assert "MFU 24.4%" in compute.evidence
     assert "2.4 GFLOP/s achieved" in compute.evidence
+
+
+def test_a_failing_formula_counts_zero_and_warns_instead_of_failing_the_op(monkeypatch) -> None:
+    from perfsdk.flops import count as count_module
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("no formula")
+
+    mm = torch.ops.aten.mm
+    monkeypatch.setitem(count_module._mapping(), mm, count_module._model_only(mm, broken))
+    a, b = torch.ones(2, 3), torch.ones(3, 4)
+    with pytest.warns(PerfSDKWarning, match="FLOP formula"):
+        assert count_flops(torch.mm, a, b) == 0
+    torch.testing.assert_close(torch.mm(a, b), torch.full((2, 4), 3.0))
