@@ -3,7 +3,8 @@
 Each rule reads a :class:`Run` (the records of one run, with the step-time basis worked out) and
 returns a :class:`Finding` or None, adding to ``run.notes`` what it could not check. The rules
 follow the seeds' optimization loop: profile, name the bottleneck (data loading, host-device
-syncs, launch overhead, memory, compute), apply the matching fix, measure again.
+syncs, launch overhead, memory pressure, memory creep, compute), apply the matching fix,
+measure again.
 
 A rule claims only what the run shows: syncs are those of this run's regions (and, from a
 summary, those outside any region while the run's regions ran), counted per step only inside
@@ -15,12 +16,13 @@ given :data:`NAMES`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from perfsdk.advisor.trend import segment_medians, theil_sen
+from perfsdk.advisor.trend import off_line, segment_medians, theil_sen
 from perfsdk.record import RegionResult
 from perfsdk.sync.ops import OPS
 
@@ -28,7 +30,7 @@ __all__ = [
     "COMPUTE_SHARE", "DATA_SHARE", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
     "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT", "NAMES",
     "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
-    "CREEP_MIN_BYTES", "CREEP_MIN_FRACTION", "CREEP_MIN_STEPS", "CREEP_SEGMENTS", "CREEP_STEADY",
+    "CREEP_FIT", "CREEP_MIN_BYTES", "CREEP_MIN_FRACTION", "CREEP_MIN_STEPS", "CREEP_SEGMENTS",
     "Finding", "Run", "RULES",
 ]
 
@@ -87,9 +89,10 @@ CREEP_SEGMENTS = 4
 """Memory creeps when the median reading of each of this many consecutive parts of the steps
 is above the previous part's (a one-time jump lifts one part only) ..."""
 
-CREEP_STEADY = 0.25
-"""... each by at least this fraction of an even share of the whole rise (so that a jump plus a
-few bytes of drift is not steady growth) ..."""
+CREEP_FIT = 0.10
+"""... and the readings lie on a straight line: the median distance of a reading from the
+Theil-Sen line is at most this fraction of the growth over the steps (a jump or two is a
+staircase, far from any line; a leak with a transient spike now and then stays on it) ..."""
 
 CREEP_MIN_BYTES = 32 * 2**20
 """... and the growth over the steps (the Theil-Sen slope times the steps spanned) is at least
@@ -565,9 +568,9 @@ def _series(run: Run, source: _Source, members: Mapping[int, list[tuple[RegionRe
     """``(step numbers, levels, steps)`` of the steps that have the reading. Step numbers are
     ``perfsdk.step`` where every step has it (a schedule's gaps count), else 0, 1, 2..."""
     steps = sorted(run.steps, key=lambda r: r.start_ns)
-    numbers = [s.attributes.get("perfsdk.step") for s in steps]
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers) or any(
-            b <= a for a, b in zip(numbers, numbers[1:])):
+    given = [s.attributes.get("perfsdk.step") for s in steps]
+    numbers = [n for n in given if isinstance(n, int) and not isinstance(n, bool)]
+    if len(numbers) != len(steps) or any(b <= a for a, b in itertools.pairwise(numbers)):
         numbers = list(range(len(steps)))
     xs: list[float] = []
     ys: list[float] = []
@@ -588,13 +591,11 @@ def _creeps(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, list[float
     """``(slope, part medians)`` when the series grows steadily and materially, else None."""
     slope = theil_sen(xs, ys)
     medians = segment_medians(ys, CREEP_SEGMENTS)
-    rise = medians[-1] - medians[0]
-    even = rise / (CREEP_SEGMENTS - 1)
-    steady = rise > 0 and all(b - a > 0 and b - a >= CREEP_STEADY * even
-                              for a, b in zip(medians, medians[1:]))
     growth = slope * (xs[-1] - xs[0])
     material = growth >= CREEP_MIN_BYTES and growth >= CREEP_MIN_FRACTION * max(medians[0], 0.0)
-    return (slope, medians) if slope > 0 and steady and material else None
+    if not (material and all(b > a for a, b in itertools.pairwise(medians))):
+        return None
+    return (slope, medians) if off_line(xs, ys, slope) <= CREEP_FIT * growth else None
 
 
 def _grows_in(steps: Sequence[RegionResult], members: Mapping[int, list[tuple[RegionResult, int]]],
@@ -706,13 +707,18 @@ def _creep_finding(run: Run, source: _Source, xs: Sequence[float], ys: Sequence[
             "region": region, "region_slope_bytes_per_step": there,
             "steps_to_capacity": to_capacity}
     gpu = source is _CUDA
+    named = region is not None and there is not None  # a region inside the step
     title = f"Memory creep: {'GPU memory' if gpu else 'the process memory'} grows every step"
     return _finding(run, "memory_creep", title, MEMORY_WEIGHT, evidence, data, [
+        *([_Fix("perfsdk.configure(memory_snapshots=True)",
+                f"an out-of-memory error then writes an allocation snapshot with the stack of "
+                f"every live block, those `{region}` keeps among them (open it at "
+                "pytorch.org/memory_viz)")] if gpu and named else []),
         *([_Fix("perfsdk.configure(memory=True, memory_snapshots=True)",
                 "every region then records its memory, so that the next run names the region "
                 "where it grows; an out-of-memory error writes an allocation snapshot with "
                 "the stack of every live block (open it at pytorch.org/memory_viz)")]
-          if gpu else []),
+          if gpu and not named else []),
         _Fix("# keep numbers, not tensors that hold their autograd graph: "
              "total_loss += loss.detach() (loss.item() to print it), not total_loss += loss"),
         _Fix("# a list that grows every step keeps every tensor in it: append out.detach() "

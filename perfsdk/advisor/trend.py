@@ -10,6 +10,8 @@ flat. Two questions tell them apart:
   and on a series that grows by the same amount every step it is that amount exactly.
 - :func:`segment_medians`: the series cut into consecutive parts, each part's median. A leak
   raises every part above the one before it; a one-time jump raises one part only.
+- :func:`off_line`: how far the points lie from the line of that slope (the median distance).
+  A leak's readings lie on it; a jump or two makes a staircase that no line follows.
 
 Pure functions of numbers: no perfsdk state, no clock.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["MAX_POINTS", "segment_medians", "theil_sen"]
+__all__ = ["MAX_POINTS", "off_line", "segment_medians", "theil_sen"]
 
 MAX_POINTS = 256
 """:func:`theil_sen` uses at most this many points, evenly spaced over the series (the pairs
@@ -63,3 +65,20 @@ def segment_medians(ys: Sequence[float], parts: int) -> list[float]:
         raise ValueError(f"segment_medians: {len(ys)} values cannot make {parts} parts")
     bounds = [round(k * len(ys) / parts) for k in range(parts + 1)]
     return [float(statistics.median(ys[bounds[k]:bounds[k + 1]])) for k in range(parts)]
+
+
+def off_line(xs: Sequence[float], ys: Sequence[float], slope: float) -> float:
+    """The median distance of the points from the line of ``slope`` through them (its
+    intercept is the median of ``ys[i] - slope * xs[i]``); 0.0 for no points.
+
+    Example:
+        >>> off_line([0, 1, 2, 3], [5, 7, 9, 11], 2.0)  # on the line
+        0.0
+        >>> off_line([0, 1, 2, 3, 4, 5], [0, 0, 0, 8, 8, 8], 2.0)  # a jump: a staircase
+        1.0
+    """
+    if not xs:
+        return 0.0
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
+    return float(statistics.median(abs(y - slope * x - intercept)
+                                   for x, y in zip(xs, ys, strict=True)))

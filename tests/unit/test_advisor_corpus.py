@@ -285,7 +285,7 @@ def _gpu_leak_checks(advice: Advice) -> None:
     assert data["region"] == "metrics"
     assert data["region_slope_bytes_per_step"] == 8 * MiB
     assert data["steps_to_capacity"] == (16 * 2**30 - data["end_bytes"]) // (8 * MiB)
-    assert advice.top.fix == "perfsdk.configure(memory=True, memory_snapshots=True)"
+    assert advice.top.fix == "perfsdk.configure(memory_snapshots=True)"
     assert "rises 8 MiB/step over 40 steps" in advice.top.evidence
     assert "+7.81 GiB per 1,000 steps; grows in `metrics` (8 MiB/step there)" \
         in advice.top.evidence
