@@ -412,6 +412,11 @@ def test_trend_slope_is_robust_and_parts_show_a_jump():
         theil_sen([1, 2], [1])
     with pytest.raises(ValueError, match="3 values cannot make 4 parts"):
         segment_medians([1, 2, 3], 4)
+    import doctest
+
+    from perfsdk.advisor import trend
+
+    assert doctest.testmod(trend).failed == 0  # its examples, as printed
 
 
 def test_a_leak_in_a_region_is_named_with_its_slope(fake_cuda, clock):
