@@ -96,7 +96,8 @@ def test_regions_counts_nesting_and_attributes() -> None:
 
     assert module.validation_runs == 2  # Lightning's sanity check, and the run after epoch 0
     [sanity] = cap.named("sanity_check")
-    assert sanity.end_ns <= epochs[0].start_ns and sanity.parent_span_id == 0
+    assert sanity.end_ns <= epochs[0].start_ns
+    assert sanity.parent_span_id == 0
     [validation] = cap.named("validation")
     assert validation.parent_span_id == epochs[0].span_id
     assert validation.start_ns >= steps[3].end_ns
@@ -390,34 +391,39 @@ def test_by_hand_without_a_trainer() -> None:
     """A stop that never came (manual optimization's optimizer.step() raised), a stop without
     a start, an end of validation that never started: the regions still close in order."""
     profiler = PerfsdkProfiler(all_actions=True)
-    with capture() as cap:
-        with profiler.profile("run_training_epoch"):
-            profiler.stop("[Strategy]S.on_validation_end")  # no validation open: nothing
-            with profiler.profile("run_training_batch"):
-                with profiler.profile("[Strategy]S.training_step"):
-                    profiler.start("optimizer_step")  # its stop never comes
-                profiler.stop("[Strategy]S.backward")  # never started: nothing
-            with profiler.profile("my block"):
-                pass
+    with capture() as cap, profiler.profile("run_training_epoch"):
+        profiler.stop("[Strategy]S.on_validation_end")  # no validation open: nothing
+        with profiler.profile("run_training_batch"):
+            with profiler.profile("[Strategy]S.training_step"):
+                profiler.start("optimizer_step")  # its stop never comes
+            profiler.stop("[Strategy]S.backward")  # never started: nothing
+        with profiler.profile("my block"):
+            pass
     assert not isinstance(current_span(), Region)
     assert STEPS.current is None
     names = sorted(r.name for r in cap.regions)
     assert names == ["epoch", "forward", "my block", "optimizer", "step"]
     [forward], [optimizer] = cap.named("forward"), cap.named("optimizer")
-    assert optimizer.parent_span_id == forward.span_id and optimizer.end_ns <= forward.end_ns
+    assert optimizer.parent_span_id == forward.span_id
+    assert optimizer.end_ns <= forward.end_ns
     assert cap.named("epoch")[0].attributes["perfsdk.epoch"] == 0
 
 
 def test_an_exception_in_an_unrecorded_action_ends_validation() -> None:
     profiler = PerfsdkProfiler()
-    with capture() as cap, pytest.raises(KeyError):
-        profiler.start("[Strategy]S.on_validation_start")
-        profiler.stop("[Strategy]S.on_validation_start")
+    def validation_step() -> None:
         with profiler.profile("[Strategy]S.validation_step"):
             raise KeyError("x")
+
+    with capture() as cap:
+        profiler.start("[Strategy]S.on_validation_start")
+        profiler.stop("[Strategy]S.on_validation_start")
+        with pytest.raises(KeyError):
+            validation_step()
     assert not isinstance(current_span(), Region)
     [validation] = cap.regions
-    assert validation.name == "validation" and isinstance(validation.error, KeyError)
+    assert validation.name == "validation"
+    assert isinstance(validation.error, KeyError)
 
 
 def test_a_failure_inside_the_profiler_warns_and_training_goes_on(
@@ -430,7 +436,8 @@ def test_a_failure_inside_the_profiler_warns_and_training_goes_on(
     with capture() as cap, pytest.warns(perfsdk.PerfSDKWarning, match="ZeroDivisionError"):
         t.fit(TinyModule(), loader(), loader())
     assert t.global_step == 2
-    assert cap.named("step") == [] and len(cap.named("forward")) == 2
+    assert cap.named("step") == []
+    assert len(cap.named("forward")) == 2
     assert not isinstance(current_span(), Region)
 
 

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import sys
@@ -195,8 +196,8 @@ class PerfsdkProfiler(Profiler):
             self._end_run()  # a run that raised where nothing told us
             self._summary = ""
             trainer = self._trainer()
-            if trainer is not None and any(isinstance(cb, PerfsdkCallback)
-                                           for cb in trainer.callbacks):
+            callbacks = getattr(trainer, "callbacks", None) or ()
+            if any(isinstance(cb, PerfsdkCallback) for cb in callbacks):
                 self._active = False
                 warn_once("perfsdk_lightning:profiler-and-callback",
                           "perfsdk_lightning: this Trainer has both a PerfsdkProfiler and a "
@@ -266,10 +267,8 @@ class PerfsdkProfiler(Profiler):
         super().teardown(stage)
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to tell
             self.teardown(stage=self._stage)
-        except Exception:  # noqa: S110 (interpreter shutdown: nothing left to tell)
-            pass
 
     # -- the regions -----------------------------------------------------------------------
     def _learn(self, action: str) -> int:

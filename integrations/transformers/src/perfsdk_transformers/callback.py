@@ -138,6 +138,7 @@ class PerfsdkCallback(TrainerCallback):
         self._report = RunReport()
         self._optimizer_events = has_optimizer_events()
         self._step_hooks: list[Any] = []  # torch's hook handles, without the events
+        self._optimizer_depth = 0  # optimizer.step() calls under way, as the hooks saw them
 
     # -- the open regions, innermost last --------------------------------------------------
     def _open(self, name: str, **attributes: Any) -> None:
@@ -175,10 +176,17 @@ class PerfsdkCallback(TrainerCallback):
     # -- the optimizer region ----------------------------------------------------------------
     def _optimizer_starts(self) -> None:
         """``optimizer.step()`` is called: the step's last micro-batch ends, its update
-        begins (inside a step only)."""
-        if any(entry.name == "step" for entry in self._stack):
+        begins (inside a step only). The hooks of a subclass's ``step()`` that calls its
+        base's fire again inside it: the outermost call alone is the region."""
+        self._optimizer_depth += 1
+        if self._optimizer_depth == 1 and any(entry.name == "step" for entry in self._stack):
             self._close("microbatch")
             self._open("optimizer")
+
+    def _optimizer_ends(self) -> None:
+        self._optimizer_depth = max(self._optimizer_depth - 1, 0)
+        if self._optimizer_depth == 0:
+            self._close("optimizer")
 
     def _hook_optimizer(self, optimizer: Any) -> None:
         """Without the optimizer events: torch's step hooks on the optimizer the Trainer hands
@@ -193,12 +201,13 @@ class PerfsdkCallback(TrainerCallback):
             self._in_hook(self._optimizer_starts)
 
         def after(opt: Any, args: Any, kwargs: Any) -> None:
-            self._in_hook(functools.partial(self._close, "optimizer"))
+            self._in_hook(self._optimizer_ends)
 
         self._step_hooks = [optimizer.register_step_pre_hook(before),
                             optimizer.register_step_post_hook(after)]
 
     def _unhook_optimizer(self) -> None:
+        self._optimizer_depth = 0
         hooks, self._step_hooks = self._step_hooks, []
         for handle in hooks:
             handle.remove()
