@@ -314,6 +314,16 @@ def test_summary_is_perfsdks_report(caplog: pytest.LogCaptureFixture) -> None:
     assert_balanced()
 
 
+def test_validate_alone() -> None:
+    profiler = PerfsdkProfiler()
+    with capture() as cap:
+        trainer(2, profiler).validate(TinyModule(), loader(), verbose=False)
+    assert [r.name for r in cap.regions] == ["validation"]
+    assert profiler.summary().startswith("perfsdk: Lightning validate ended after ")
+    assert ": 0 batches recorded, 1 validation run\n" in profiler.summary()
+    assert_balanced()
+
+
 def test_summary_written_to_a_file(tmp_path: Path) -> None:
     fit(TinyModule(), max_steps=2, profiler=PerfsdkProfiler(dirpath=tmp_path, filename="perf"))
     [written] = tmp_path.glob("*perf*.txt")

@@ -50,6 +50,7 @@ import contextlib
 import functools
 import io
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,14 @@ _CATEGORIES = {"epoch": "epoch", "forward": "compute", "backward": "compute",
                "optimizer": "update", "data_wait": "data", "validation": "eval",
                "sanity_check": "eval"}
 _NOT_ERRORS = (StopIteration, StopAsyncIteration, GeneratorExit)  # a loop's end, not a failure
+
+
+def _exc_info_exception() -> BaseException | None:
+    return sys.exc_info()[1]
+
+
+_exception: Callable[[], BaseException | None] = getattr(sys, "exception", _exc_info_exception)
+"""The exception being handled (``sys.exception``, Python 3.11+; no tuple to build)."""
 _KNOWN_ACTIONS = 4096  # action names remembered (a bound, should a program make names)
 
 
@@ -225,15 +234,18 @@ class PerfsdkProfiler(Profiler):
             _failed(exc)
 
     def stop(self, action_name: str) -> None:
-        if not (self._stack or self._running):
+        stack = self._stack
+        if not (stack or self._running) or not self._active:
             return
         kind = self._kinds.get(action_name)
         if kind is None:
             kind = self._learn(action_name)
-        error = sys.exc_info()[1]  # set while an exception leaves the action (a `finally`)
+        if kind == OTHER and not self.all_actions and stack and stack[-1].action is not None:
+            return  # ignored, inside a region whose own stop sees any exception that leaves it
+        error = _exception()  # set while an exception leaves the action (Lightning's `finally`)
         if error is not None and isinstance(error, _NOT_ERRORS):
             error = None
-        if error is None and ((kind == OTHER and not self.all_actions) or not self._active):
+        if error is None and kind == OTHER and not self.all_actions:
             return
         try:
             self._stop(kind, action_name, error)
@@ -250,10 +262,9 @@ class PerfsdkProfiler(Profiler):
             try:
                 trainer = self._trainer()
                 out = io.StringIO()
-                stage = getattr(self._stage, "value", self._stage)  # a TrainerFn: "fit"
-                self._report.finish(functools.partial(
-                    report_title, str(stage or "fit"),
-                    trainer.global_step if trainer is not None else None), out=out)
+                stage = str(getattr(self._stage, "value", self._stage) or "fit")  # a TrainerFn
+                steps = trainer.global_step if trainer is not None and stage == "fit" else None
+                self._report.finish(functools.partial(report_title, stage, steps), out=out)
                 self._summary = out.getvalue().strip("\n")
             except Exception as exc:
                 _failed(exc)
