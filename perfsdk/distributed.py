@@ -85,12 +85,20 @@ def rank_attributes(env: Mapping[str, str] | None = None) -> dict[str, int]:
 
 
 _run_id: str | None = None  # set by share_run_id()
+_env_run_id: tuple[str | None] | None = None  # (TORCHELASTIC_RUN_ID,) once read
 
 
 def run_id() -> str | None:
     """The id the ranks of this job agree on: the one :func:`share_run_id` set, else
-    ``TORCHELASTIC_RUN_ID`` (set by ``torchrun`` for every rank), else None."""
-    return _run_id or os.environ.get("TORCHELASTIC_RUN_ID") or None
+    ``TORCHELASTIC_RUN_ID`` (set by ``torchrun`` for every rank; read once per process, like
+    torchrun's other variables), else None."""
+    global _env_run_id
+    if _run_id:
+        return _run_id
+    env = _env_run_id
+    if env is None:  # every step asks: an environment lookup that misses costs about 1 us
+        env = _env_run_id = (os.environ.get("TORCHELASTIC_RUN_ID") or None,)
+    return env[0]
 
 
 def share_run_id() -> str:

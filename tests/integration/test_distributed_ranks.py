@@ -125,9 +125,11 @@ def test_rank_attributes_from_torchrun_variables() -> None:
 
 def test_step_trace_ids_follow_torchruns_run_id(monkeypatch) -> None:
     monkeypatch.setattr(distributed, "_run_id", None)
+    monkeypatch.setattr(distributed, "_env_run_id", None)  # read once per process: again
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert step_trace_id(0) is None  # no run id: each rank keeps its own random trace
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    monkeypatch.setattr(distributed, "_env_run_id", None)
     assert step_trace_id(5) == step_trace_id(5, "job-42")
     assert step_trace_id(5) != step_trace_id(6)
     assert 0 < step_trace_id(5) < 2 ** 128
