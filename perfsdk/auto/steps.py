@@ -239,8 +239,9 @@ class Steps:
             region = _step_spec().open_handle(attrs)  # every=1: steps are not sampled
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
                 run = run_id()
-                if run:
-                    region.trace_id = step_trace_id(index, run)
+                shared = step_trace_id(index, run) if run else None
+                if shared is not None:
+                    region.trace_id = shared
             step.region = region
         return step
 
