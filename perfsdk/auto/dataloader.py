@@ -45,8 +45,7 @@ class DataWaitIterator(Generic[T]):
             item = next(self._inner)  # the wait for the end is not a batch's
             self._batch = batch + 1
             return item
-        region = _data_spec().open()
-        region.set_attribute("perfsdk.batch", batch)  # ignored by the null region
+        region = _data_spec().open({"perfsdk.batch": batch})  # unused by the null region
         try:
             item = next(self._inner)
         except StopIteration:

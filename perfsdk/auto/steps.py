@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
 import torch
 
 from perfsdk import config as _config
-from perfsdk.distributed import step_trace_id
+from perfsdk.distributed import run_id, step_trace_id
 from perfsdk.region import Region, RegionSpec, now_ns
 
 __all__ = [
@@ -105,11 +106,16 @@ class StepListener(Protocol):
 
 _autocast_on = torch.is_autocast_enabled
 _autocast_dtype = torch.get_autocast_dtype
+_any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
+"""One call without arguments (about 150 ns) that tells whether autocast is on for any device:
+``torch.is_autocast_enabled(device)`` parses its device string, about 400 ns a device."""
 
 
 def autocast_dtype() -> str | None:
     """The dtype ``torch.autocast`` is on with in this thread (``"bfloat16"``, ``"float16"``),
     CUDA's first, or None: what a region records as ``perfsdk.amp`` at its entry."""
+    if _any_autocast is not None and not _any_autocast():
+        return None  # the common case: one call
     for device in ("cuda", "cpu"):
         if _autocast_on(device):
             return str(_autocast_dtype(device)).removeprefix("torch.")
@@ -154,7 +160,7 @@ class Step:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.end(exc)
+        self._steps._end(self, exc)  # end(exc), one call fewer: it runs every step
 
     def __repr__(self) -> str:
         return f"<Step {self.index} {self.phase}>"
@@ -204,20 +210,23 @@ class Steps:
         ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
         DataLoader batch, and stops once the script calls ``step()`` on its own: see
         :attr:`explicit`)."""
-        if samples is not None:
-            _count("step", "samples", samples, 1)
+        if samples is not None and (type(samples) is not int or samples < 1):
+            _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
         if not implicit:
             self.explicit = True
-        self.end()
+        current = self.current
+        if current is not None:
+            self._end(current, None)
         with self._lock:
             index = self.next_index
-            self.next_index += 1
+            self.next_index = index + 1
         sched = self.schedule
         phase = "active" if sched is None else sched.phase(index)
         step = Step(self, index, samples, phase)
         self.current = step
-        for listener in list(self.listeners):
-            _notify(listener.on_step_start, index)
+        if self.listeners:
+            for listener in list(self.listeners):
+                _notify(listener.on_step_start, index)
         if phase != "active":
             self._pause(True)
         elif _state.enabled and not _is_compiling():
@@ -229,7 +238,8 @@ class Steps:
                 attrs["perfsdk.amp"] = amp
             region = _step_spec().open_handle(attrs)  # every=1: steps are not sampled
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
-                shared = step_trace_id(index)
+                run = run_id()
+                shared = step_trace_id(index, run) if run else None
                 if shared is not None:
                     region.trace_id = shared
             step.region = region
@@ -256,8 +266,9 @@ class Steps:
             region.exit(error, t1)
         if self._paused:
             self._pause(False)
-        for listener in list(self.listeners):
-            _notify(listener.on_step_end, step.index)
+        if self.listeners:
+            for listener in list(self.listeners):
+                _notify(listener.on_step_end, step.index)
 
     def _pause(self, paused: bool) -> None:
         """Skipped steps record nothing: the disabled path every region entry already tests."""

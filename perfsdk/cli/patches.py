@@ -102,6 +102,9 @@ class _Batches:
 
 def _batch_size(batch: Any) -> int | None:
     """The first dimension of the batch's first tensor (through tuples, lists and dicts)."""
+    first = batch[0] if type(batch) in (tuple, list) and batch else batch
+    if isinstance(first, torch.Tensor) and first.dim():  # the common batches, without pytree
+        return int(first.shape[0]) or None
     leaves = tree_leaves(batch)
     first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
     return None if first is None else int(first.shape[0]) or None
