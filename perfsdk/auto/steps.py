@@ -27,6 +27,7 @@ import torch
 
 from perfsdk import config as _config
 from perfsdk.distributed import run_id, step_trace_id
+from perfsdk.memory import current_rss
 from perfsdk.region import Region, RegionSpec, now_ns
 
 __all__ = [
@@ -236,9 +237,9 @@ class Steps:
             amp = autocast_dtype()
             if amp is not None:  # the step runs under autocast (the advisor: "already on")
                 attrs["perfsdk.amp"] = amp
+            run = run_id()  # before the step's clock starts: the first call may ask the store
             region = _step_spec().open_handle(attrs)  # every=1: steps are not sampled
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
-                run = run_id()
                 shared = step_trace_id(index, run) if run else None
                 if shared is not None:
                     region.trace_id = shared
@@ -263,6 +264,10 @@ class Steps:
                 seconds = (t1 - region.t0) / 1e9
                 if seconds > 0:
                     region.set_attribute("perfsdk.samples_per_s", step.samples / seconds)
+            if _state.memory and region.t0:  # the advisor's leak rule: RSS at each step's end
+                rss = current_rss()
+                if rss is not None:
+                    region.set_attribute("perfsdk.memory.rss_bytes", rss)
             region.exit(error, t1)
         if self._paused:
             self._pause(False)

@@ -19,7 +19,6 @@ and a workspace allocated once.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -183,30 +182,19 @@ def _memory_checks(advice: Advice) -> None:
 
 
 # -- memory creep ---------------------------------------------------------------------------------
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _current_rss() -> int:
-    """The process's resident set size now (not its peak), from /proc/self/statm."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
 def _cpu_loop(keep: Callable[[int, torch.Tensor], None]) -> tuple[list[RegionResult],
                                                                   dict[str, Any]]:
     """49 real steps of a linear layer on 3072 x 256 inputs (3 MiB, saved for backward, and a
-    3 MiB output); ``keep(i, out)`` decides what each step keeps. Each step records the RSS at
-    its end as ``perfsdk.memory.rss_bytes`` (the peak RSS, which steps record, only grows past
-    the test process's earlier high-water mark)."""
+    3 MiB output); ``keep(i, out)`` decides what each step keeps. With memory on, each step
+    records the RSS at its end as ``perfsdk.memory.rss_bytes`` (the peak RSS only grows past the
+    test process's earlier high-water mark)."""
     torch.manual_seed(0)
     model = nn.Linear(256, 256)
     perfsdk.configure(memory=True)
     with capture() as cap:
         for i in range(49):
-            with perfsdk.step(samples=3072) as s:
+            with perfsdk.step(samples=3072):
                 keep(i, model(torch.randn(3072, 256)))
-                if s.region is not None:
-                    s.region.set_attribute("perfsdk.memory.rss_bytes", _current_rss())
     return cap.regions, {}
 
 
