@@ -402,7 +402,8 @@ _HOOK_SIGNATURE = inspect.Signature([
 class _CommHook:
     """The communication hook :func:`instrument_ddp` registers on a DDP model: it calls the
     hook it wraps (``hook``, with ``state``) and records the bucket's reduction as a
-    :data:`DDP_REGION` region, from the call to the completion of the future it returns."""
+    :data:`DDP_REGION` region, from the call to the completion of the future it returns (a
+    ``then`` callback on it ends the region; DDP gets the chained future)."""
 
     __signature__ = _HOOK_SIGNATURE  # what DDP's check of a hook's signature reads
 
@@ -454,10 +455,11 @@ class _CommHook:
             self._close(entry, exc)
             raise
         try:
-            fut.add_done_callback(functools.partial(self._done, entry))
-        except Exception:  # not a torch Future: DDP says so itself
+            then = fut.then
+        except AttributeError:  # not a torch Future: DDP says so itself
             self._close(entry, None)
-        return fut
+            return fut
+        return then(functools.partial(self._done, entry))
 
     def _open(self, bucket: Any) -> _Entry:
         spec = self.spec
@@ -495,8 +497,10 @@ class _CommHook:
         entry.t0 = self._now()
         return entry
 
-    def _done(self, entry: _Entry, fut: Any) -> None:
-        """The future completed (on whichever thread completed it)."""
+    def _done(self, entry: _Entry, fut: Any) -> Any:
+        """The hook's future completed (on whichever thread completed it): end the region, and
+        hand DDP the future's value (or its error) unchanged. DDP waits for the future this
+        returns, so the region is recorded before ``backward()`` returns."""
         try:
             error: BaseException | None = None
             try:
@@ -504,9 +508,10 @@ class _CommHook:
             except Exception as exc:
                 error = exc
             self._close(entry, error)
-        except Exception as exc:
+        except Exception as exc:  # our bookkeeping never fails the reduction
             warn_once("ddp-hook-done", f"perfsdk: could not record the end of a DDP bucket's "
                       f"all-reduce ({exc!r}).")
+        return fut.value()
 
     def _close(self, entry: _Entry, error: BaseException | None) -> None:
         t1 = self._now()
@@ -578,9 +583,10 @@ def instrument_ddp(model: torch.nn.parallel.DistributedDataParallel, *,
     all-reduce has finished, so the host time is the wait. On NCCL the future completes on the
     host as soon as the all-reduce is queued on its stream, so the host time is short; the
     region's device time (on a GPU) runs from the bucket being ready on the stream to the
-    all-reduce's end. Nothing waits for anything: the region ends in a callback on the future
-    (``add_done_callback``), on whichever thread completes it, and DDP's own wait at the end
-    of ``backward()`` is the only one.
+    all-reduce's end. Nothing waits for anything: the region ends in a callback chained on the
+    future (``then``), on whichever thread completes it, and DDP's own wait for that chained
+    future at the end of ``backward()`` is the only one (so every bucket's region is recorded
+    by the time ``backward()`` returns).
 
     DDP accepts one communication hook per model. To use one of your own with perfsdk's,
     pass it here (``hook``, ``state``: what you would give ``model.register_comm_hook``), or

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -59,31 +58,24 @@ def buckets(model: nn.parallel.DistributedDataParallel) -> int:
     return len(model.reducer._get_zeros_like_grad_buckets())
 
 
-def ddp_regions(cap: Capture, expected: int) -> list[Any]:
-    """The ddp.all_reduce regions, once ``expected`` of them reached the sinks: a bucket's
-    region ends in a callback on the thread that completes its future, which may run just
-    after backward() returned (bounded wait on a count, not a timing)."""
-    deadline = time.monotonic() + 30
-    while True:
-        PIPELINE.drain(wait=True)
-        found = [r for r in cap.regions if r.name == DDP_REGION]
-        if len(found) >= expected or time.monotonic() > deadline:
-            return found
-        time.sleep(0.01)
+def ddp_regions(cap: Capture) -> list[Any]:
+    """The ddp.all_reduce regions recorded so far: each bucket's region is ended by the
+    callback whose future DDP waits for, so all are in once ``backward()`` has returned."""
+    PIPELINE.drain(wait=True)
+    return [r for r in cap.regions if r.name == DDP_REGION]
 
 
 def test_one_collective_region_per_bucket_nested_in_the_step(group: None) -> None:
     model = instrument_ddp(make_ddp())
-    with capture() as warm_up:  # DDP's first backward reduces one bucket; the next forward
-        train(model, 2)         # rebuilds them
-        n = buckets(model)
-        ddp_regions(warm_up, 1 + n)  # all in: none ends late in the capture below
+    train(model, 2)  # DDP's first backward reduces one bucket; the next forward rebuilds them
+    n = buckets(model)
     assert n > 1
     with capture() as cap:
         train(model, 3)
-        found = ddp_regions(cap, 3 * n)
+        found = ddp_regions(cap)
     steps = {r.span_id: r for r in cap.regions if r.name == "step"}
-    assert len(steps) == 3 and len(found) == 3 * n
+    assert len(steps) == 3
+    assert len(found) == 3 * n
     for step in steps.values():  # each backward: every bucket once
         mine = [r for r in found if r.parent_span_id == step.span_id]
         assert sorted(r.attributes["perfsdk.ddp.bucket"] for r in mine) == list(range(n))
@@ -101,7 +93,7 @@ def test_the_default_hook_reduces_as_ddp_does(group: None) -> None:
     with capture() as cap:
         for model in (plain, instrumented):
             train(model, 2)
-        assert len(ddp_regions(cap, 1 + buckets(instrumented))) == 1 + buckets(instrumented)
+        assert len(ddp_regions(cap)) == 1 + buckets(instrumented)
     for a, b in zip(plain.parameters(), instrumented.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
@@ -127,11 +119,12 @@ def test_a_users_hook_is_wrapped_and_runs(group: None, how: str) -> None:
     with capture() as cap:
         train(model, 1)
         train(plain, 1)
-        found = ddp_regions(cap, 1)
+        found = ddp_regions(cap)
     assert len(calls) == len(found) == 1
     assert found[0].attributes["perfsdk.ddp.comm_hook"].endswith("double_hook")
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
-        assert a.grad is not None and b.grad is not None
+        assert a.grad is not None
+        assert b.grad is not None
         torch.testing.assert_close(b.grad, 2 * a.grad)  # the user's hook did the reduction
     with pytest.raises(RuntimeError, match="can only be called once"):
         model.register_comm_hook(None, doubling(calls))  # as DDP refuses a second hook
@@ -142,9 +135,7 @@ def test_instrumenting_twice_records_each_bucket_once(group: None) -> None:
     assert instrument_ddp(instrument_ddp(model)) is model
     with capture() as cap:
         train(model, 1)
-        found = ddp_regions(cap, 1)
-    PIPELINE.drain(wait=True)
-    assert len([r for r in cap.regions if r.name == DDP_REGION]) == len(found) == 1
+        assert len(ddp_regions(cap)) == 1
 
 
 def test_a_hook_registered_before_is_refused_naming_the_fix(group: None) -> None:
@@ -210,16 +201,23 @@ def test_a_bucket_region_runs_from_the_call_to_the_futures_completion(group: Non
         with perfsdk.step():
             returned = hook(None, FakeBucket(3))
             clock.advance(7)  # the all-reduce in flight: the wait
-            futures[0].set_result(torch.zeros(6))  # completes: the callback ends the region
+            assert not returned.done()
+            futures[0].set_result(torch.ones(6))  # completes: the callback ends the region
             clock.advance(1)
+            assert returned.done()
+            assert returned.value().tolist() == [1.0] * 6
         failing = hook(None, FakeBucket(4))
         futures[1].set_exception(RuntimeError("peer gone"))
-    assert returned is futures[0] and failing is futures[1]  # the hook's own future, unchained
+        with pytest.raises(RuntimeError, match="peer gone"):
+            failing.wait()  # DDP sees the reduction's error unchanged
     done, failed = sorted((r for r in cap.regions if r.name == DDP_REGION),
                           key=lambda r: r.attributes["perfsdk.ddp.bucket"])
-    assert done.host_ms == 7.0 and done.attributes["perfsdk.ddp.bucket_bytes"] == 24
-    assert done.error is None and done.device_ms is None  # no GPU in use
-    assert isinstance(failed.error, RuntimeError) and "peer gone" in str(failed.error)
+    assert done.host_ms == 7.0
+    assert done.attributes["perfsdk.ddp.bucket_bytes"] == 24
+    assert done.error is None
+    assert done.device_ms is None
+    assert isinstance(failed.error, RuntimeError)
+    assert "peer gone" in str(failed.error)
 
 
 def test_on_a_gpu_the_bucket_has_device_time_and_nothing_waits(group: None,
@@ -249,18 +247,17 @@ def test_a_hook_called_on_a_thread_without_context_nests_under_the_forward(group
         hook(None, FakeBucket())
         futures[-1].set_result(torch.zeros(6))
 
-    with capture() as cap:
-        with perfsdk.step() as step:
-            region = step.region
-            model(torch.ones(2, 4))  # the forward notes the current region: the step
-            worker = threading.Thread(target=elsewhere)
-            worker.start()
-            worker.join()
-            with perfsdk.timed_region("forward"):
-                model(torch.ones(2, 4))  # now the forward region, which ends before backward
-            worker = threading.Thread(target=elsewhere)
-            worker.start()
-            worker.join()
+    with capture() as cap, perfsdk.step() as step:
+        region = step.region
+        model(torch.ones(2, 4))  # the forward notes the current region: the step
+        worker = threading.Thread(target=elsewhere)
+        worker.start()
+        worker.join()
+        with perfsdk.timed_region("forward"):
+            model(torch.ones(2, 4))  # now the forward region, which ends before backward
+        worker = threading.Thread(target=elsewhere)
+        worker.start()
+        worker.join()
     assert region is not None
     found = [r for r in cap.regions if r.name == DDP_REGION]
     assert [r.parent_span_id for r in found] == [region.span_id] * 2
@@ -274,7 +271,7 @@ def test_perfsdk_run_instruments_a_ddp_model_it_sees(group: None) -> None:
         for _ in range(2):
             with perfsdk.step():
                 model(torch.ones(2, 4)).sum().backward()
-        found = ddp_regions(cap, 1 + buckets(model))
+        found = ddp_regions(cap)
     assert len(found) == 1 + buckets(model)  # instrumented once: each bucket once
     backward = {r.span_id for r in cap.regions if r.name == "backward"}
     assert {r.parent_span_id for r in found} <= backward  # in `backward`, in the step
