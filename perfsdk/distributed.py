@@ -378,7 +378,7 @@ class _Entry:
 
     __slots__ = ("attributes", "device_ms", "end_event", "nvtx", "parent_id", "range_id",
                  "resolved", "span_id", "spec_index", "start_event", "t0", "thread_id",
-                 "trace_id")
+                 "trace_id", "unwrap")
 
     def __init__(self, spec_index: int, nvtx: Any, range_id: Any) -> None:
         self.spec_index = spec_index
@@ -387,10 +387,34 @@ class _Entry:
         self.t0 = 0  # 0: not timed (NVTX-only mode)
         self.trace_id = self.span_id = self.parent_id = self.thread_id = 0
         self.attributes: dict[str, Any] = {}
+        self.unwrap = False  # the future's value is a list holding DDP's tensor
         self.start_event: Any = None
         self.end_event: Any = None
         self.resolved = False
         self.device_ms: float | None = None
+
+
+def _allreduce(group: Any, bucket: Any) -> Any:
+    """DDP's all-reduce as ``torch``'s ``allreduce_hook`` computes it (the bucket divided by the
+    world size, then summed over the ranks), issued on the process group itself: one Python
+    call fewer than ``dist.all_reduce``. Its future's value is the list of the reduced tensors;
+    the hook hands DDP the one tensor in it. DDP's Python reducer (compiled autograd) passes
+    ``(grad, param)`` instead of a bucket: reduced there as DDP does without a hook."""
+    if type(bucket) is tuple:
+        from torch.distributed import _functional_collectives as fcol
+
+        grad = bucket[0]
+        grad.copy_(fcol.all_reduce(grad / group.size(), "sum", group))
+        return None
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    if buffer.is_complex():  # as dist.all_reduce does it
+        return torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
+    return group.allreduce([buffer]).get_future()
+
+
+def _first(fut: Any) -> Any:
+    return fut.value()[0]
 
 
 _HOOK_SIGNATURE = inspect.Signature([
@@ -407,7 +431,7 @@ class _CommHook:
 
     __signature__ = _HOOK_SIGNATURE  # what DDP's check of a hook's signature reads
 
-    def __init__(self, hook: Callable[[Any, Any], Any], state: Any, user: bool) -> None:
+    def __init__(self, hook: Callable[[Any, Any], Any] | None, state: Any, user: bool) -> None:
         # The engine, imported here: perfsdk.record imports this module.
         from perfsdk.pipeline import PIPELINE
         from perfsdk.record import NOTED, note_thread
@@ -416,20 +440,24 @@ class _CommHook:
         self._pipeline, self._noted, self._note_thread = PIPELINE, NOTED, note_thread
         self._region_type, self._now = Region, now_ns
         self.forward_parent: Any = None  # the region current at the model's last forward
-        self.user = False
-        self.hook, self.state = hook, state
+        self.user = self.unwrap = False
+        self.hook: Callable[[Any, Any], Any] = _allreduce
+        self.state: Any = None
         self.spec: Any = None
         self.use(hook, state, user)
 
-    def use(self, hook: Callable[[Any, Any], Any], state: Any, user: bool) -> None:
-        """Wrap ``hook`` (with ``state``) from the next bucket on."""
+    def use(self, hook: Callable[[Any, Any], Any] | None, state: Any, user: bool) -> None:
+        """Wrap ``hook`` with ``state`` (None: DDP's all-reduce on the process group
+        ``state``) from the next bucket on."""
         from perfsdk.region import RegionSpec
 
-        name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+        name = "allreduce" if hook is None else (getattr(hook, "__qualname__", None)
+                                                 or type(hook).__qualname__)
         self.spec = RegionSpec.create(DDP_REGION, category="collective", asynchronous=True,
                                       every=1, attributes={"perfsdk.ddp.comm_hook": name},
                                       where="instrument_ddp")
-        self.hook, self.state, self.user = hook, state, user
+        self.hook, self.unwrap = (_allreduce, True) if hook is None else (hook, False)
+        self.state, self.user = state, user
         self.__name__ = getattr(hook, "__name__", name)  # DDP's hook checks and logging
         self.__qualname__ = f"perfsdk({name})"
 
@@ -440,15 +468,17 @@ class _CommHook:
         self.forward_parent = current if isinstance(current, self._region_type) else None
 
     def __call__(self, state: Any, bucket: Any) -> Any:
-        hook, hook_state = self.hook, self.state
+        hook, hook_state, unwrap = self.hook, self.state, self.unwrap
         if not _state.enabled or type(bucket) is tuple:  # perfsdk off; DDP's Python reducer
-            return hook(hook_state, bucket)             # hands (grad, param) pairs
+            fut = hook(hook_state, bucket)              # hands (grad, param) pairs
+            return fut.then(_first) if unwrap and fut is not None else fut
         try:
             entry = self._open(bucket)
         except Exception as exc:  # our bookkeeping never breaks the reduction
             warn_once("ddp-hook", f"perfsdk: could not record a DDP bucket ({exc!r}); its "
                       "all-reduce runs unrecorded.")
-            return hook(hook_state, bucket)
+            fut = hook(hook_state, bucket)
+            return fut.then(_first) if unwrap else fut
         try:
             fut = hook(hook_state, bucket)
         except BaseException as exc:
@@ -459,6 +489,7 @@ class _CommHook:
         except AttributeError:  # not a torch Future: DDP says so itself
             self._close(entry, None)
             return fut
+        entry.unwrap = unwrap
         return then(functools.partial(self._done, entry))
 
     def _open(self, bucket: Any) -> _Entry:
@@ -511,7 +542,7 @@ class _CommHook:
         except Exception as exc:  # our bookkeeping never fails the reduction
             warn_once("ddp-hook-done", f"perfsdk: could not record the end of a DDP bucket's "
                       f"all-reduce ({exc!r}).")
-        return fut.value()
+        return fut.value()[0] if entry.unwrap else fut.value()
 
     def _close(self, entry: _Entry, error: BaseException | None) -> None:
         t1 = self._now()
@@ -597,8 +628,9 @@ def instrument_ddp(model: torch.nn.parallel.DistributedDataParallel, *,
     Args:
         model: the ``torch.nn.parallel.DistributedDataParallel`` model.
         hook: a communication hook ``hook(state, bucket) -> torch.futures.Future`` to wrap;
-            default: DDP's all-reduce (``allreduce_hook`` on the model's process group,
-            the same sum and average DDP computes without a hook).
+            default: DDP's all-reduce on the model's process group (what ``torch``'s
+            ``allreduce_hook`` does: the bucket divided by the world size, summed over the
+            ranks; DDP without a hook computes the same).
         state: the ``state`` argument for ``hook``.
 
     Returns:
@@ -634,9 +666,7 @@ def instrument_ddp(model: torch.nn.parallel.DistributedDataParallel, *,
             "place of model.register_comm_hook(state, hook), or call instrument_ddp(model) "
             "first and register your hook after it.")
     if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        wrapper = _CommHook(allreduce_hook, model.process_group, user=False)
+        wrapper = _CommHook(None, model.process_group, user=False)
     else:
         check = getattr(model, "_check_comm_hook", None)
         if check is not None:

@@ -81,7 +81,7 @@ def test_one_collective_region_per_bucket_nested_in_the_step(group: None) -> Non
         assert sorted(r.attributes["perfsdk.ddp.bucket"] for r in mine) == list(range(n))
     for r in found:
         assert r.attributes["perfsdk.category"] == "collective"
-        assert r.attributes["perfsdk.ddp.comm_hook"] == "allreduce_hook"
+        assert r.attributes["perfsdk.ddp.comm_hook"] == "allreduce"
         assert r.attributes["perfsdk.ddp.bucket_bytes"] > 0
         assert r.trace_id == steps[r.parent_span_id].trace_id
         assert r.start_ns >= steps[r.parent_span_id].start_ns
