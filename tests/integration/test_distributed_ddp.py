@@ -81,6 +81,17 @@ def test_instrument_ddp_names_the_slow_rank() -> None:
         everyone: list[list[Any]] = [[], []]
         dist.all_gather_object(everyone, mine)
         assert named_by_most_steps([r for regions in everyone for r in regions]) == 1
+
+        # perfsdk's all-reduce averages the ranks' gradients as DDP's own does
+        torch.manual_seed(0)
+        plain = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+        torch.manual_seed(0)
+        ours = instrument_ddp(nn.parallel.DistributedDataParallel(nn.Linear(8, 2)))
+        x = torch.full((4, 8), float(dist.get_rank() + 1))  # each rank its own data
+        for m in (plain, ours):
+            m(x).square().sum().backward()
+        for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
     finally:
         dist.destroy_process_group()
 

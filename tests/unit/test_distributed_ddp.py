@@ -310,3 +310,16 @@ def test_overlapping_collectives_count_once_in_a_step() -> None:
     assert r.busy_ms_by_rank == {0: 70.0 - 43.0, 1: 70.0 - 3.0}
     assert r.slowest_rank == 1
 
+
+
+def test_ddps_python_reducer_pairs_are_reduced_unrecorded(group: None) -> None:
+    """Under compiled autograd DDP's Python reducer calls the hook with (grad, param) and
+    ignores what it returns: perfsdk's default reduces the gradient as DDP does without a
+    hook, and records nothing."""
+    model = instrument_ddp(make_ddp())
+    param = next(model.parameters())
+    grad = torch.arange(16.0).reshape(4, 4)
+    with capture() as cap:
+        assert our_hook(model)(None, (grad, param)) is None
+    torch.testing.assert_close(grad, torch.arange(16.0).reshape(4, 4))  # one rank: the mean
+    assert cap.regions == []
