@@ -7,7 +7,8 @@ While :class:`RunPatches` is installed:
 - ``Tensor.backward()`` runs inside a ``backward`` region,
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
-  region.
+  region, and a ``DistributedDataParallel`` model seen there gets
+  :func:`perfsdk.distributed.instrument_ddp` once (its gradient all-reduces become regions).
 
 While a framework integration's callback draws the steps (Lightning's, the Hugging Face
 Trainer's: :data:`perfsdk.instrumentor.FRAMEWORK_STEPS`), the batches start no step and
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -46,6 +48,8 @@ from torch.utils._pytree import tree_leaves
 from perfsdk.auto.dataloader import DataWaitIterator
 from perfsdk.auto.steps import STEPS
 from perfsdk.context import current_span
+from perfsdk.distributed import instrument_ddp
+from perfsdk.errors import warn_once
 from perfsdk.instrumentor import FRAMEWORK_STEPS
 from perfsdk.region import Region
 from perfsdk.timing import timed_region
@@ -58,6 +62,8 @@ _lock = threading.Lock()
 _BACKWARD = timed_region("backward", category="compute")
 _OPTIMIZER = timed_region("optimizer", category="update")
 _FORWARD: dict[str, timed_region] = {}
+_DDP = torch.nn.parallel.DistributedDataParallel
+_seen_ddp: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class _Batches:
@@ -225,6 +231,8 @@ def _module_call(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or _in_forward.get():
             return original(self, *args, **kwargs)
+        if isinstance(self, _DDP) and self not in _seen_ddp:
+            _instrument_ddp(self)
         token = _in_forward.set(True)
         try:
             with _forward_region(self):
@@ -232,3 +240,17 @@ def _module_call(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _in_forward.reset(token)
     return __call__
+
+
+def _instrument_ddp(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Record a DDP model's gradient all-reduces (once per model); a model whose own hook
+    perfsdk cannot wrap runs as it is, with one warning."""
+    with _lock:
+        if model in _seen_ddp:
+            return
+        _seen_ddp.add(model)
+    try:
+        instrument_ddp(model)
+    except Exception as exc:
+        warn_once("run-ddp", f"perfsdk run: the DDP model's gradient all-reduces are not "
+                  f"recorded: {exc}")
