@@ -151,8 +151,8 @@ LAUNCH = textwrap.dedent("""
 
     from perfsdk.cli import main
 
-    # a directory per rank: each rank's perfsdk run saves its own run.json
-    sys.exit(main(["run", "--output-dir", f"out-{os.environ['RANK']}", "train.py"]))
+    # one --output-dir: each rank's perfsdk run saves its own run.json in out/rank<N>
+    sys.exit(main(["run", "--output-dir", "out", "train.py"]))
 """)
 
 
@@ -170,7 +170,7 @@ def test_perfsdk_run_names_the_slow_rank_of_an_unmodified_script(tmp_path: Path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     regions = []
     for rank in (0, 1):
-        saved = load_run(tmp_path / f"out-{rank}").regions
+        saved = load_run(tmp_path / "out" / f"rank{rank}").regions
         assert {r.attributes.get("perfsdk.rank") for r in saved} == {rank}
         steps = {r.span_id for r in saved if r.name == "step"}
         backward = {r.span_id: r.parent_span_id for r in saved if r.name == "backward"}
