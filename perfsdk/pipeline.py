@@ -112,12 +112,16 @@ class Pipeline:
         queue overflowed; ``shutdown``: still pending when exit's budget ran out); the span sink
         counts their spans as lost."""
         self.started = False
+        self.queue: deque[Any] = deque()
+        """The pending queue (see :meth:`submit`). The same object for the pipeline's lifetime
+        (emptied, never replaced, in a forked child), so the region hot path appends to it
+        directly, at most :attr:`max_pending` long, and hands the rest to :meth:`spill`."""
         self._init_state()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(before=self._await_set_up, after_in_child=self._after_fork)
 
     def _init_state(self) -> None:
-        self._queue: deque[Any] = deque()
+        self.queue.clear()
         self._waiting: list[Any] = []
         self._overflow: dict[int, list[int]] = {}
         self._overflow_lock = threading.Lock()
@@ -137,13 +141,13 @@ class Pipeline:
 
     # -- the hot path ----------------------------------------------------------------------
     def submit(self, record: Any) -> None:
-        queue = self._queue
+        queue = self.queue
         if len(queue) < self.max_pending:
             queue.append(record)
         else:
-            self._spill(record)
+            self.spill(record)
 
-    def _spill(self, record: Any) -> None:
+    def spill(self, record: Any) -> None:
         """The pending queue is full: tally the region for the summary (calls, host time,
         errors) and count its span as lost; never block, never grow."""
         with self._overflow_lock:
@@ -253,7 +257,7 @@ class Pipeline:
     @property
     def pending(self) -> int:
         """Regions not yet handed to the sinks (queued, waiting for the GPU, or in a drain)."""
-        return len(self._queue) + len(self._waiting) + self._in_hand
+        return len(self.queue) + len(self._waiting) + self._in_hand
 
     def settle(self, timeout: float, *, final: bool = False) -> bool:
         """Have the pipeline thread hand every finished region to the sinks (waiting for the
@@ -286,7 +290,7 @@ class Pipeline:
             self._deliver_overflow()
             batch, self._waiting = self._waiting, []
             self._in_hand = len(batch)
-            queue = self._queue
+            queue = self.queue
             for _ in range(len(queue)):
                 batch.append(queue.popleft())
                 self._in_hand += 1
@@ -408,7 +412,7 @@ class Pipeline:
                 # neither the drain in progress nor a later one delivers it.
                 with self._hand_lock:
                     self._abandoned += 1
-                    queue, queued = self._queue, len(self._queue)
+                    queue, queued = self.queue, len(self.queue)
                     for _ in range(queued):
                         queue.popleft()
                     with self._overflow_lock:

@@ -80,7 +80,8 @@ _current_span = _ctx.current_span
 _attach = _ctx.attach
 _detach = _ctx.detach
 _event_pool = clocks.event_pool
-_submit = PIPELINE.submit
+_queue = PIPELINE.queue  # PIPELINE.submit, written out in Region.exit
+_enqueue = _queue.append
 # The current context, read and set directly (see perfsdk.context.CURRENT): with OpenTelemetry
 # the variable holds a Context whose _SPAN_KEY entry is the current span; without, the span.
 _SPAN_KEY = _ctx.SPAN_KEY
@@ -443,8 +444,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             trace_id, self.parent_id = _parent_ids(parent)
             self.trace_id = trace_id or _getrandbits(128) or 1
         self.span_id = _getrandbits(64) or 1
-        self.thread_id = _get_ident()
-        if not _noted.done:  # the thread's name, once per thread, for sinks that run after it
+        self.thread_id = ident = _get_ident()
+        if ident not in _noted:  # the thread's name, once per thread, for sinks that run after it
             _note_thread()
         if _SPAN_KEY is not None:  # what attach(set_span_in_context(self)) does
             self._token = _cur_set(_Context({**context, _SPAN_KEY: self}))  # type: ignore[misc]
@@ -521,9 +522,13 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
                     PIPELINE.resolve_region(self, wait=True)
                 PIPELINE.poke()
             # A plain tuple (see perfsdk.record); the Region rides along only with GPU events.
-            _submit((spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
-                     self.thread_id, error, self._attributes, self.events, memory, start, end,
-                     None if end is None else self, None))
+            record = (spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
+                      self.thread_id, error, self._attributes, self.events, memory, start, end,
+                      None if end is None else self, None)
+            if len(_queue) < PIPELINE.max_pending:  # PIPELINE.submit(record)
+                _enqueue(record)
+            else:
+                PIPELINE.spill(record)
 
     def _forget(self) -> None:
         """Exit of a region entered before a fork, in the child: the region is the parent's (it
