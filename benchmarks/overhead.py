@@ -31,6 +31,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -162,6 +163,8 @@ class Variant:
     cpu: list[float] = dataclasses.field(default_factory=list)
     spans: list[int] = dataclasses.field(default_factory=list)  # exported per timed loop
     pending: list[int] = dataclasses.field(default_factory=list)  # queued when the loop ends
+    others: list[dict[str, float]] = dataclasses.field(default_factory=list)  # other threads'
+    # CPU ns per call during each timed loop, by thread name (background section)
 
 
 def body() -> Callable[[], int]:
@@ -499,12 +502,16 @@ def measure_background(args: argparse.Namespace, torch: Any, perfsdk: Any, pipel
                     settle()
                     time.sleep(phase.uniform(0.0, interval))
                     v.pause()
+                    before = threads_cpu()
                     wall, cpu = timed_loop(v.fn, args.gil_calls)
+                    after = threads_cpu()
                     v.pending.append(pipeline.pending)
                     v.teardown()
                     perfsdk.flush()
                     v.wall.append(wall)
                     v.cpu.append(cpu)
+                    v.others.append({name: (ns - before.get(name, 0)) / args.gil_calls
+                                     for name, ns in after.items()})
     finally:
         pipeline.max_pending = max_pending
         torch.set_num_threads(threads)
@@ -520,7 +527,42 @@ def measure_background(args: argparse.Namespace, torch: Any, perfsdk: Any, pipel
             "added_ns": med["full"] - med["bare"],
             "added_paused_ns": own,
             "inflation": _div(med["full"] - med["full_paused"], own),
+            "background_cpu_ns_per_call": background_cpu(variants[1].others),
         }
+    return out
+
+
+def threads_cpu() -> dict[str, int]:
+    """CPU time (ns) of every thread but the calling one, by thread name (summed when names
+    repeat); empty where the platform has no per-thread CPU clocks."""
+    out: dict[str, int] = {}
+    me = threading.get_ident()
+    for thread in threading.enumerate():
+        if thread.ident is None or thread.ident == me:
+            continue
+        try:
+            ns = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # no per-thread CPU clocks, or the thread ended
+            continue
+        out[thread.name] = out.get(thread.name, 0) + ns
+    return out
+
+
+def background_cpu(loops: list[dict[str, float]]) -> dict[str, float]:
+    """Median CPU ns per call of each other thread across the loops: ``perfsdk-pipeline``,
+    the export threads (``perfsdk-export-*``), the rest grouped as ``other``. Holding the GIL
+    is what a Python thread's CPU time mostly is, so this is what the caller's loop could lose
+    to them at most (as it does when its own GIL-free stretches are short)."""
+    grouped: list[dict[str, float]] = []
+    for loop in loops:
+        g: dict[str, float] = {}
+        for name, ns in loop.items():
+            key = name if name.startswith("perfsdk-") else "other"
+            g[key] = g.get(key, 0.0) + ns
+        grouped.append(g)
+    names = sorted({n for g in grouped for n in g})
+    out = {n: percentile([g.get(n, 0.0) for g in grouped], 50) for n in names}
+    out["total"] = sum(out.values())
     return out
 
 
@@ -735,6 +777,11 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
                   f"  {full['p10']:.0f}/{full['p90']:.0f}")
         print("(added = full - bare; paused+ = full_paused - bare; inflation = (full - "
               "full_paused) / paused+)")
+        print("other threads' CPU ns per call during the full loops (medians): "
+              + "; ".join(f"{kind}: " + ", ".join(
+                  f"{n.removeprefix('perfsdk-')} {ns:.0f}"
+                  for n, ns in loop["background_cpu_ns_per_call"].items() if ns >= 1)
+                  for kind, loop in bg["loops"].items()))
     print("\ntargets (issues 2, 3 and 16)")
     for t in result["targets"]:
         value = t["value"]
