@@ -527,7 +527,8 @@ def measure_background(args: argparse.Namespace, torch: Any, perfsdk: Any, pipel
             "added_ns": med["full"] - med["bare"],
             "added_paused_ns": own,
             "inflation": _div(med["full"] - med["full_paused"], own),
-            "background_cpu_ns_per_call": background_cpu(variants[1].others),
+            "background_cpu_ns_per_call": background_cpu(
+                next(v for v in variants if v.name == "full").others),
         }
     return out
 
