@@ -859,6 +859,9 @@ def versions() -> dict[str, Any]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
+    import perfsdk
+
+    out["perfsdk_path"] = str(Path(perfsdk.__file__).resolve().parent)
     try:
         head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
@@ -875,6 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if os.environ.get(CHILD_FLAG) == "1":
+        # This checkout's perfsdk, whatever is installed: the JSON names this checkout's commit.
+        sys.path.insert(0, str(REPO_ROOT))
         return measure(args)
     return launch(args, argv)
 

@@ -448,7 +448,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         if ident not in _noted:  # the thread's name, once per thread, for sinks that run after it
             _note_thread()
         if _SPAN_KEY is not None:  # what attach(set_span_in_context(self)) does
-            self._token = _cur_set(_Context({**context, _SPAN_KEY: self}))  # type: ignore[misc]
+            values = context.copy()
+            values[_SPAN_KEY] = self
+            self._token = _cur_set(_Context(values))  # type: ignore[misc]
         elif _cur_set is not None:
             self._token = _cur_set(self)
         else:
