@@ -22,7 +22,8 @@ VARIANTS = {
 TARGETS = {
     "full_added", "full_vs_otel", "whole_vs_otel", "nvtx_only_vs_pushpop", "memory_added",
     "nvml_core_fraction",
-    "disabled_decoration_identity", "disabled_runtime_vs_wraps",
+    "disabled_decoration_identity", "disabled_runtime_vs_wraps", "full_vs_wraps",
+    "pipeline_inflation",
 }
 
 
@@ -90,7 +91,24 @@ def test_context_is_recorded(quick_run):
     # Where the recorder library can be built, it must really be attached in the child.
     assert nvtx["loaded"] is (nvtx["error"] is None), nvtx
     assert "bare call" in stdout
-    assert "targets (issues 2 and 3)" in stdout
+    assert "targets (issues 2, 3 and 16)" in stdout
+
+
+def test_background_section_shape(quick_run):
+    """The issue-16 loops: every body bare, full and paused, with positive timings; the
+    inflation is computed from them (its value is a measurement, never checked)."""
+    result, stdout = quick_run
+    bg = result["background"]
+    assert bg["calls"] == result["settings"]["gil_calls"]
+    assert set(bg["loops"]) == {"tight", "hash", "torch"}
+    for kind, loop in bg["loops"].items():
+        assert set(loop["variants"]) == {"bare", "full", "full_paused"}, kind
+        for name, v in loop["variants"].items():
+            assert len(v["ns_per_call"]["samples"]) == bg["repeats"], (kind, name)
+            assert positive(v["ns_per_call"]["median"]), (kind, name)
+        assert isinstance(loop["inflation"], float), kind
+        assert "total" in loop["background_cpu_ns_per_call"], kind
+    assert "background:" in stdout
 
 
 # -- benchmarks/instrument_module.py --------------------------------------------------------------
