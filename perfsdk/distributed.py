@@ -516,7 +516,7 @@ class _CommHook:
         entry.parent_id = up
         entry.span_id = _ids.getrandbits(64) or 1
         entry.thread_id = threading.get_ident()
-        if not self._noted.done:
+        if entry.thread_id not in self._noted:  # record.NOTED: the threads already named
             self._note_thread()
         buffer = bucket.buffer()
         entry.attributes = {"perfsdk.ddp.bucket": int(bucket.index()),
