@@ -31,9 +31,11 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,8 @@ NVTX_ONLY_VS_PUSHPOP_MAX = 1.5
 MEMORY_ADDED_MAX_NS = 1000.0  # issue 3
 NVML_CORE_MAX = 0.01  # issue 3
 DISABLED_RUNTIME_VS_WRAPS_MAX = 1.2
+FULL_VS_WRAPS_MAX = 25.0  # issue 16
+INFLATION_MAX = 0.20  # issue 16
 BUSY_RATIO = 1.15  # wall / CPU time above this in single-threaded variants: the machine was busy
 
 
@@ -63,13 +67,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--whole-calls", type=int,
                    help="calls in each whole-cost loop (default 200000; quick 5000)")
     p.add_argument("--whole-repeats", type=int, help="whole-cost repeats (default 5; quick 1)")
+    p.add_argument("--gil-calls", type=int,
+                   help="calls in each loop of the background-thread section (default 50000; "
+                        "quick 2000)")
+    p.add_argument("--gil-repeats", type=int,
+                   help="repeats of the background-thread section (default 7; quick 2)")
     p.add_argument("--nvtx-record", choices=("off", "file"), default="off",
                    help="off: the injection library's callbacks run but write nothing (default); "
                         "file: it also writes every event as JSON to a temporary file")
     args = p.parse_args(argv)
     quick = args.quick
     for name, full, small in (("repeats", 15, 3), ("calls", 20_000, 2_000),
-                              ("whole_calls", 200_000, 5_000), ("whole_repeats", 5, 1)):
+                              ("whole_calls", 200_000, 5_000), ("whole_repeats", 5, 1),
+                              ("gil_calls", 50_000, 2_000), ("gil_repeats", 7, 2)):
         value = getattr(args, name)
         if value is None:
             setattr(args, name, small if quick else full)
@@ -153,6 +163,8 @@ class Variant:
     cpu: list[float] = dataclasses.field(default_factory=list)
     spans: list[int] = dataclasses.field(default_factory=list)  # exported per timed loop
     pending: list[int] = dataclasses.field(default_factory=list)  # queued when the loop ends
+    others: list[dict[str, float]] = dataclasses.field(default_factory=list)  # other threads'
+    # CPU ns per call during each timed loop, by thread name (background section)
 
 
 def body() -> Callable[[], int]:
@@ -394,6 +406,12 @@ def measure(args: argparse.Namespace) -> int:
             whole[key]["gc"].append([a - b for a, b in zip(gc_after, gc_before, strict=True)])
     settle()
 
+    # -- background: what the pipeline thread's work costs the caller ----------------------
+    background = measure_background(
+        args, torch, perfsdk, PIPELINE, setup=use_exporter(perfsdk_drop), pause=pause_pipeline,
+        resume=resume_pipeline, settle=settle, interval=interval or 0.0)
+    settle()
+
     # The NVML sampler at its default interval, against perfsdk's fake NVML (this machine has
     # no GPU): perfsdk's own per-round work, not the driver's call latency.
     from perfsdk.nvml import GpuSampler
@@ -414,7 +432,7 @@ def measure(args: argparse.Namespace) -> int:
                  "a real driver's call latency is not in it")
 
     load = {"start": load_start, "end": os.getloadavg() if hasattr(os, "getloadavg") else None}
-    result = report(args, variants, whole, returns_itself, nvtx_info, notes, load)
+    result = report(args, variants, whole, returns_itself, nvtx_info, notes, load, background)
     result["perfsdk_diagnostics"] = perfsdk.diagnostics()
     result["warnings"] = caught
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -423,10 +441,136 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------- background (issue 16)
+BACKGROUND_KINDS = {
+    "tight": "return 1 (the caller never releases the GIL)",
+    "hash": "sha256 of 4 KiB (the caller releases the GIL for a few microseconds a call)",
+    "torch": "torch.mm of two 64x64 float tensors, 1 intra-op thread (the caller releases the "
+             "GIL for the op's microseconds, as a training step's ops do)",
+}
+
+
+def measure_background(args: argparse.Namespace, torch: Any, perfsdk: Any, pipeline: Any, *,
+                       setup: Callable[[], None], pause: Callable[[], None],
+                       resume: Callable[[], None], settle: Callable[[], None],
+                       interval: float) -> dict[str, Any]:
+    """How much of the pipeline thread's work lands on the caller (issue 16): for each loop
+    body in :data:`BACKGROUND_KINDS`, ``--gil-calls`` calls of the body bare, decorated (the
+    pipeline thread running as usual: it wakes every ``interval`` and resolves, summarizes,
+    builds metrics and queues spans while the loop runs) and decorated with the pipeline
+    thread held asleep (its work done after the loop, outside the timing). Loops long enough
+    for the pipeline thread to wake several times; repeats interleaved, order rotated."""
+    x = torch.ones(64, 64)
+    mm = torch.mm
+    data = bytes(4096)  # hashlib releases the GIL for data of 2 KiB and more
+
+    def make(kind: str) -> Callable[[], int]:
+        if kind == "tight":
+            return body()
+        if kind == "hash":
+            def fn() -> int:
+                sha256(data)
+                return 1
+            return fn
+
+        def op() -> int:
+            mm(x, x)
+            return 1
+        return op
+
+    loops: dict[str, list[Variant]] = {}
+    for kind in BACKGROUND_KINDS:
+        full = perfsdk.profiled(f"bench.background.{kind}")(make(kind))
+        loops[kind] = [
+            Variant("bare", "bare", make(kind)),
+            Variant("full", "@profiled full", full, setup=setup),
+            Variant("full_paused", "@profiled full, pipeline paused", full, setup=setup,
+                    pause=pause, teardown=resume),
+        ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the op on the calling thread only: the other core stays free
+    max_pending = pipeline.max_pending
+    pipeline.max_pending = max(max_pending, 2 * args.gil_calls)  # paused loops: nothing spilled
+    phase = random.Random(1)
+    try:
+        for rep in range(args.gil_repeats):
+            for variants in loops.values():
+                k = rep % len(variants)
+                for v in variants[k:] + variants[:k]:
+                    v.setup()
+                    timed_loop(v.fn, 200)
+                    settle()
+                    time.sleep(phase.uniform(0.0, interval))
+                    v.pause()
+                    before = threads_cpu()
+                    wall, cpu = timed_loop(v.fn, args.gil_calls)
+                    after = threads_cpu()
+                    v.pending.append(pipeline.pending)
+                    v.teardown()
+                    perfsdk.flush()
+                    v.wall.append(wall)
+                    v.cpu.append(cpu)
+                    v.others.append({name: (ns - before.get(name, 0)) / args.gil_calls
+                                     for name, ns in after.items()})
+    finally:
+        pipeline.max_pending = max_pending
+        torch.set_num_threads(threads)
+    out: dict[str, Any] = {"calls": args.gil_calls, "repeats": args.gil_repeats, "loops": {}}
+    for kind, variants in loops.items():
+        med = {v.name: percentile(v.wall, 50) for v in variants}
+        own = med["full_paused"] - med["bare"]
+        out["loops"][kind] = {
+            "body": BACKGROUND_KINDS[kind],
+            "variants": {v.name: {"label": v.label, "ns_per_call": stats(v.wall),
+                                  "thread_cpu_ns_per_call": stats(v.cpu),
+                                  "pipeline_pending_after_loop": v.pending} for v in variants},
+            "added_ns": med["full"] - med["bare"],
+            "added_paused_ns": own,
+            "inflation": _div(med["full"] - med["full_paused"], own),
+            "background_cpu_ns_per_call": background_cpu(
+                next(v for v in variants if v.name == "full").others),
+        }
+    return out
+
+
+def threads_cpu() -> dict[str, int]:
+    """CPU time (ns) of every thread but the calling one, by thread name (summed when names
+    repeat); empty where the platform has no per-thread CPU clocks."""
+    out: dict[str, int] = {}
+    me = threading.get_ident()
+    for thread in threading.enumerate():
+        if thread.ident is None or thread.ident == me:
+            continue
+        try:
+            ns = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError):  # no per-thread CPU clocks, or the thread ended
+            continue
+        out[thread.name] = out.get(thread.name, 0) + ns
+    return out
+
+
+def background_cpu(loops: list[dict[str, float]]) -> dict[str, float]:
+    """Median CPU ns per call of each other thread across the loops: ``perfsdk-pipeline``,
+    the export threads (``perfsdk-export-*``), the rest grouped as ``other``. Holding the GIL
+    is what a Python thread's CPU time mostly is, so this is what the caller's loop could lose
+    to them at most (as it does when its own GIL-free stretches are short)."""
+    grouped: list[dict[str, float]] = []
+    for loop in loops:
+        g: dict[str, float] = {}
+        for name, ns in loop.items():
+            key = name if name.startswith("perfsdk-") else "other"
+            g[key] = g.get(key, 0.0) + ns
+        grouped.append(g)
+    names = sorted({n for g in grouped for n in g})
+    out = {n: percentile([g.get(n, 0.0) for g in grouped], 50) for n in names}
+    out["total"] = sum(out.values())
+    return out
+
+
 # ---------------------------------------------------------------------------------- report
 def report(args: argparse.Namespace, variants: list[Variant], whole: dict[str, dict[str, Any]],
            returns_itself: bool, nvtx_info: dict[str, Any], notes: list[str],
-           load: dict[str, Any]) -> dict[str, Any]:
+           load: dict[str, Any], background: dict[str, Any] | None = None) -> dict[str, Any]:
     by = {v.name: v for v in variants}
     med = {v.name: percentile(v.wall, 50) for v in variants}
     bare, wraps = med["bare"], med["wraps"]
@@ -485,7 +629,24 @@ def report(args: argparse.Namespace, variants: list[Variant], whole: dict[str, d
                 f"{DISABLED_RUNTIME_VS_WRAPS_MAX:g}x the functools.wraps passthrough "
                 "(per-call medians, bare call included)", med["disabled_runtime"] / wraps, "<=",
                 DISABLED_RUNTIME_VS_WRAPS_MAX),
+        _target("full_vs_wraps", f"full <= {FULL_VS_WRAPS_MAX:g}x the functools.wraps "
+                "passthrough on the calling thread (per-call medians, bare call included)",
+                med["full"] / wraps, "<=", FULL_VS_WRAPS_MAX,
+                also={"added_over_added": _div(full_added, added["wraps"]),
+                      "pipeline_thread_paused": med["full_paused"] / wraps,
+                      "calling_thread_cpu": percentile(by["full"].cpu, 50)
+                      / percentile(by["wraps"].cpu, 50)}),
     ]
+    if background is not None:
+        loops = background["loops"]
+        worst = max(loops, key=lambda kind: loops[kind]["inflation"])
+        targets.append(_target(
+            "pipeline_inflation", "the pipeline thread inflates the caller's added cost by <= "
+            f"{INFLATION_MAX:.0%}: (full - full_paused) / (full_paused - bare), medians of "
+            f"{background['calls']:,}-call loops, the worst of the loop bodies "
+            f"{', '.join(loops)} (here: {worst})",
+            loops[worst]["inflation"], "<=", INFLATION_MAX,
+            also={f"{kind}_inflation": loop["inflation"] for kind, loop in loops.items()}))
     for name in ("nvtx_only", "full"):
         if name in by:
             if any(p < 0 for p in by[name].pending):
@@ -513,6 +674,7 @@ def report(args: argparse.Namespace, variants: list[Variant], whole: dict[str, d
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"quick": args.quick, "repeats": args.repeats, "calls": args.calls,
                      "whole_calls": args.whole_calls, "whole_repeats": args.whole_repeats,
+                     "gil_calls": args.gil_calls, "gil_repeats": args.gil_repeats,
                      "order": "variants interleaved per repeat, order rotated each repeat",
                      "gc": "enabled; gc.collect() and a flush before every timed loop"},
         "nvtx_injection": nvtx_info,
@@ -521,6 +683,7 @@ def report(args: argparse.Namespace, variants: list[Variant], whole: dict[str, d
         "versions": versions(),
         "variants": out_variants,
         "whole_cost": out_whole,
+        "background": background,
         "targets": targets,
         "nvml_sampler": getattr(args, "nvml", None),
         "notes": notes,
@@ -598,7 +761,29 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
         flag = "" if w["complete"] else "  INCOMPLETE"
         print(f"{w['label']:<44}{ns['median']:>9.0f}{ns['p10']:>9.0f}{ns['p90']:>9.0f}"
               f"{w['added_ns']:>9.0f}  {spans}{flag}")
-    print("\ntargets (issues 2 and 3)")
+    bg = result.get("background")
+    if bg:
+        print(f"\nbackground: {bg['repeats']} x {bg['calls']:,}-call loops, wall ns per call; "
+              "the pipeline thread running (full) or held asleep (full_paused)")
+        head = (f"{'loop body':<10}{'bare':>9}{'full':>9}{'paused':>9}{'added':>9}"
+                f"{'paused+':>9}{'inflation':>11}  full p10/p90")
+        print(head)
+        print("-" * len(head))
+        for kind, loop in bg["loops"].items():
+            v = loop["variants"]
+            full = v["full"]["ns_per_call"]
+            print(f"{kind:<10}{v['bare']['ns_per_call']['median']:>9.0f}{full['median']:>9.0f}"
+                  f"{v['full_paused']['ns_per_call']['median']:>9.0f}{loop['added_ns']:>9.0f}"
+                  f"{loop['added_paused_ns']:>9.0f}{loop['inflation']:>11.1%}"
+                  f"  {full['p10']:.0f}/{full['p90']:.0f}")
+        print("(added = full - bare; paused+ = full_paused - bare; inflation = (full - "
+              "full_paused) / paused+)")
+        print("other threads' CPU ns per call during the full loops (medians): "
+              + "; ".join(f"{kind}: " + ", ".join(
+                  f"{n.removeprefix('perfsdk-')} {ns:.0f}"
+                  for n, ns in loop["background_cpu_ns_per_call"].items() if ns >= 1)
+                  for kind, loop in bg["loops"].items()))
+    print("\ntargets (issues 2, 3 and 16)")
     for t in result["targets"]:
         value = t["value"]
         def fmt(x: Any, name: str = t["name"]) -> str:
@@ -608,6 +793,8 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
                 return f"{x:,.0f} ns"
             if name.endswith("_fraction"):
                 return f"{x:.3%}"
+            if name.endswith("_inflation"):
+                return f"{x:.1%}"
             return f"{x:.2f}x"
 
         shown, limit = fmt(value), fmt(t["threshold"])
@@ -616,7 +803,8 @@ def print_table(result: dict[str, Any], by: dict[str, Variant]) -> None:
         if t.get("also"):
             print("        other definitions: " + "; ".join(
                 f"{k.removesuffix('_ns').replace('_', ' ')} "
-                + (f"{v:,.0f} ns" if k.endswith("_ns") else f"{v:.2f}x")
+                + (f"{v:,.0f} ns" if k.endswith("_ns") else f"{v:.1%}"
+                   if k.endswith("_inflation") else f"{v:.2f}x")
                 for k, v in t["also"].items()))
     print("\nnotes")
     for note in result["notes"]:
@@ -671,6 +859,9 @@ def versions() -> dict[str, Any]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
+    import perfsdk
+
+    out["perfsdk_path"] = str(Path(perfsdk.__file__).resolve().parent)
     try:
         head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
@@ -687,6 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if os.environ.get(CHILD_FLAG) == "1":
+        # This checkout's perfsdk, whatever is installed: the JSON names this checkout's commit.
+        sys.path.insert(0, str(REPO_ROOT))
         return measure(args)
     return launch(args, argv)
 

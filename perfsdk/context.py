@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-__all__ = ["HAVE_OTEL", "SpanBase", "attach", "current_span", "detach", "span_context"]
+__all__ = ["CONTEXT", "CURRENT", "HAVE_OTEL", "SPAN_KEY", "SpanBase", "attach", "current_span",
+           "detach", "parent_ids", "span_context"]
 
 try:
     from opentelemetry import context as _otel_context
@@ -27,6 +28,19 @@ SpanBase: Any
 current_span: Any
 detach: Any
 
+CURRENT: contextvars.ContextVar[Any] | None = None
+"""The variable that holds the current context, for the region hot path to read and set
+directly (a C call each, where OpenTelemetry's functions take four Python frames); None when
+OpenTelemetry runs on a runtime context of another kind (``OTEL_PYTHON_CONTEXT``): then use the
+functions. With OpenTelemetry it holds OpenTelemetry's ``Context`` (a dict), the current span
+is its :data:`SPAN_KEY` entry (what ``get_current_span()`` reads), and a span is made current
+with ``CURRENT.set(CONTEXT({**CURRENT.get(), SPAN_KEY: span}))`` (what ``attach(
+set_span_in_context(span))`` does). Without OpenTelemetry it holds the current span itself,
+and :data:`SPAN_KEY` and :data:`CONTEXT` are None."""
+
+SPAN_KEY: str | None = None
+CONTEXT: Any = None
+
 if HAVE_OTEL:
     SpanBase = _otel_trace.Span
     current_span = _otel_trace.get_current_span
@@ -38,11 +52,26 @@ if HAVE_OTEL:
     def attach(span: Any) -> Any:
         return _attach(_set_span_in_context(span))
 
+    try:  # the fast path: exactly what the functions above do, without their frames
+        from opentelemetry.context import _RUNTIME_CONTEXT
+        from opentelemetry.context.context import Context as _Context
+        from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+        from opentelemetry.trace.propagation import _SPAN_KEY
+
+        _var = getattr(_RUNTIME_CONTEXT, "_current_context", None)
+        if (type(_RUNTIME_CONTEXT) is ContextVarsRuntimeContext and isinstance(_SPAN_KEY, str)
+                and isinstance(_var, contextvars.ContextVar)):
+            CURRENT, SPAN_KEY, CONTEXT = _var, _SPAN_KEY, _Context
+    except ImportError:  # another opentelemetry-api layout: the functions only
+        pass
+
     def span_context(trace_id: int, span_id: int) -> Any:
         return SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
 
     def parent_ids(span: Any) -> tuple[int, int]:
         """(trace_id, span_id) of a foreign current span, (0, 0) when there is none."""
+        if not isinstance(span, SpanBase):  # what get_current_span() reads as no span
+            return 0, 0
         ctx = span.get_span_context()
         if ctx.is_valid:
             return ctx.trace_id, ctx.span_id
@@ -53,6 +82,7 @@ else:
     _current: contextvars.ContextVar[Any] = contextvars.ContextVar("perfsdk_region", default=None)
 
     current_span = _current.get
+    CURRENT = _current
 
     def attach(span: Any) -> Any:
         return _current.set(span)

@@ -26,22 +26,29 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
+import inspect
 import os
+import random
 import statistics
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from perfsdk import _device, clocks
+from perfsdk.config import state as _state
+from perfsdk.context import current_span, parent_ids
 from perfsdk.errors import warn_once
 
-__all__ = ["COLLECTIVES", "RANK_ATTRIBUTES", "StepSpread", "rank_attributes", "run_id",
-           "share_run_id", "step_trace_id", "stragglers"]
+__all__ = ["COLLECTIVES", "DDP_REGION", "RANK_ATTRIBUTES", "StepSpread", "instrument_ddp",
+           "rank_attributes", "run_id", "share_run_id", "step_trace_id", "stragglers"]
 
 RANK_ATTRIBUTES = ("perfsdk.rank", "perfsdk.local_rank", "perfsdk.world_size")
 """The attribute names, in order."""
@@ -265,20 +272,37 @@ class StepSpread:
 
 
 def _waits(regions: list[Any], steps: dict[Any, Any]) -> dict[Any, float]:
-    """Milliseconds spent in collectives inside each step (by the step's span id)."""
+    """Milliseconds spent in collectives inside each step (by the step's span id): the union of
+    their intervals where the records carry ``start_ns`` and ``end_ns`` (DDP's bucket
+    all-reduces overlap one another, and a collective region may hold another), else the sum of
+    their host times."""
     parent = {r.span_id: r.parent_span_id for r in regions}
     out: dict[Any, float] = {}
+    spans: dict[Any, list[tuple[int, int]]] = {}
     for r in regions:
         if r.name not in COLLECTIVES and r.attributes.get("perfsdk.category") != "collective":
             continue
         up = r.parent_span_id
         for _ in range(64):  # the step above it, if any
             if up in steps:
-                out[up] = out.get(up, 0.0) + float(r.host_ms)
+                start, end = getattr(r, "start_ns", None), getattr(r, "end_ns", None)
+                if isinstance(start, int) and isinstance(end, int) and 0 < start <= end:
+                    spans.setdefault(up, []).append((start, end))
+                else:
+                    out[up] = out.get(up, 0.0) + float(r.host_ms)
                 break
             if up not in parent:
                 break
             up = parent[up]
+    for step, intervals in spans.items():
+        intervals.sort()
+        covered, (lo, hi) = 0, intervals[0]
+        for start, end in intervals[1:]:
+            if start > hi:
+                covered, lo, hi = covered + hi - lo, start, end
+            else:
+                hi = max(hi, end)
+        out[step] = out.get(step, 0.0) + (covered + hi - lo) / 1e6
     return out
 
 
@@ -288,14 +312,16 @@ def stragglers(regions: Iterable[Any]) -> list[StepSpread]:
     Ranks that meet in a collective finish the step together, so step times alone hide the
     straggler: the others *wait* for it inside the collective. Each rank's busy time is its step
     less the collectives inside it (regions named as in :data:`COLLECTIVES`, or of category
-    ``collective``); the busiest rank is the straggler. Without such regions the busy time is
-    the step time.
+    ``collective``, such as the bucket all-reduces :func:`instrument_ddp` records): the time in
+    the step during which none of them was in flight. The busiest rank is the straggler.
+    Without such regions the busy time is the step time.
 
     Args:
         regions: ``RegionResult``-like records of every rank (``name``, ``host_ms``,
             ``span_id``, ``parent_span_id`` and ``attributes`` with ``perfsdk.step`` and
-            ``perfsdk.rank`` on the steps), e.g. collected from each rank's spans; steps seen on
-            fewer than two ranks are left out.
+            ``perfsdk.rank`` on the steps; ``start_ns`` and ``end_ns``, where present, let
+            overlapping collectives count once), e.g. collected from each rank's spans; steps
+            seen on fewer than two ranks are left out.
 
     Returns:
         One :class:`StepSpread` per step, in step order.
@@ -332,3 +358,330 @@ def stragglers(regions: Iterable[Any]) -> list[StepSpread]:
         out.append(StepSpread(index, busy, {rank: t for rank, (_, t) in ranks.items()}, slowest,
                               spread, spread / median if median else 0.0))
     return out
+
+
+# -- DDP's gradient all-reduces as regions ----------------------------------------------------
+
+DDP_REGION = "ddp.all_reduce"
+"""The region :func:`instrument_ddp` records for each gradient bucket DDP reduces (category
+``collective``, so :func:`stragglers` counts it as waiting)."""
+
+_ids = random.Random()  # span ids of our own: a program's random.seed() must not repeat them
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ids.seed)
+
+
+class _Entry:
+    """One bucket's reduction while it is in flight. It is also what perfsdk's pipeline reads
+    a GPU region's device time from (``start_event``, ``end_event``, ``resolved``,
+    ``device_ms``)."""
+
+    __slots__ = ("attributes", "device_ms", "end_event", "nvtx", "parent_id", "range_id",
+                 "resolved", "span_id", "spec_index", "start_event", "t0", "thread_id",
+                 "trace_id", "unwrap")
+
+    def __init__(self, spec_index: int, nvtx: Any, range_id: Any) -> None:
+        self.spec_index = spec_index
+        self.nvtx = nvtx
+        self.range_id = range_id
+        self.t0 = 0  # 0: not timed (NVTX-only mode)
+        self.trace_id = self.span_id = self.parent_id = self.thread_id = 0
+        self.attributes: dict[str, Any] = {}
+        self.unwrap = False  # the future's value is a list holding DDP's tensor
+        self.start_event: Any = None
+        self.end_event: Any = None
+        self.resolved = False
+        self.device_ms: float | None = None
+
+
+def _allreduce(group: Any, bucket: Any) -> Any:
+    """DDP's all-reduce as ``torch``'s ``allreduce_hook`` computes it (the bucket divided by the
+    world size, then summed over the ranks), issued on the process group itself: one Python
+    call fewer than ``dist.all_reduce``. Its future's value is the list of the reduced tensors;
+    the hook hands DDP the one tensor in it. DDP's Python reducer (compiled autograd) passes
+    ``(grad, param)`` instead of a bucket: reduced there as DDP does without a hook."""
+    if type(bucket) is tuple:
+        from torch.distributed import _functional_collectives as fcol
+
+        grad = bucket[0]
+        grad.copy_(fcol.all_reduce(grad / group.size(), "sum", group))
+        return None
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    if buffer.is_complex():  # as dist.all_reduce does it
+        return torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
+    return group.allreduce([buffer]).get_future()
+
+
+def _first(fut: Any) -> Any:
+    return fut.value()[0]
+
+
+_HOOK_SIGNATURE = inspect.Signature([
+    inspect.Parameter("state", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    inspect.Parameter("bucket", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+])
+
+
+class _CommHook:
+    """The communication hook :func:`instrument_ddp` registers on a DDP model: it calls the
+    hook it wraps (``hook``, with ``state``) and records the bucket's reduction as a
+    :data:`DDP_REGION` region, from the call to the completion of the future it returns (a
+    ``then`` callback on it ends the region; DDP gets the chained future)."""
+
+    __signature__ = _HOOK_SIGNATURE  # what DDP's check of a hook's signature reads
+
+    def __init__(self, hook: Callable[[Any, Any], Any] | None, state: Any, user: bool) -> None:
+        # The engine, imported here: perfsdk.record imports this module.
+        from perfsdk.pipeline import PIPELINE
+        from perfsdk.record import NOTED, note_thread
+        from perfsdk.region import Region, now_ns
+
+        self._pipeline, self._noted, self._note_thread = PIPELINE, NOTED, note_thread
+        self._region_type, self._now = Region, now_ns
+        self.forward_parent: Any = None  # the region current at the model's last forward
+        self.user = self.unwrap = False
+        self.hook: Callable[[Any, Any], Any] = _allreduce
+        self.state: Any = None
+        self.spec: Any = None
+        self.use(hook, state, user)
+
+    def use(self, hook: Callable[[Any, Any], Any] | None, state: Any, user: bool) -> None:
+        """Wrap ``hook`` with ``state`` (None: DDP's all-reduce on the process group
+        ``state``) from the next bucket on."""
+        from perfsdk.region import RegionSpec
+
+        name = "allreduce" if hook is None else (getattr(hook, "__qualname__", None)
+                                                 or type(hook).__qualname__)
+        self.spec = RegionSpec.create(DDP_REGION, category="collective", asynchronous=True,
+                                      every=1, attributes={"perfsdk.ddp.comm_hook": name},
+                                      where="instrument_ddp")
+        self.hook, self.unwrap = (_allreduce, True) if hook is None else (hook, False)
+        self.state, self.user = state, user
+        self.__name__ = getattr(hook, "__name__", name)  # DDP's hook checks and logging
+        self.__qualname__ = f"perfsdk({name})"
+
+    def note_forward(self, module: Any, args: Any) -> None:
+        """A forward pre-hook on the model: the region current at its forward is the fallback
+        parent of buckets reduced on a thread that has none (CUDA's autograd threads)."""
+        current = current_span()
+        self.forward_parent = current if isinstance(current, self._region_type) else None
+
+    def __call__(self, state: Any, bucket: Any) -> Any:
+        hook, hook_state, unwrap = self.hook, self.state, self.unwrap
+        if not _state.enabled or type(bucket) is tuple:  # perfsdk off; DDP's Python reducer
+            fut = hook(hook_state, bucket)              # hands (grad, param) pairs
+            return fut.then(_first) if unwrap and fut is not None else fut
+        try:
+            entry = self._open(bucket)
+        except Exception as exc:  # our bookkeeping never breaks the reduction
+            warn_once("ddp-hook", f"perfsdk: could not record a DDP bucket ({exc!r}); its "
+                      "all-reduce runs unrecorded.")
+            fut = hook(hook_state, bucket)
+            return fut.then(_first) if unwrap else fut
+        try:
+            fut = hook(hook_state, bucket)
+        except BaseException as exc:
+            self._close(entry, exc)
+            raise
+        try:
+            then = fut.then
+        except AttributeError:  # not a torch Future: DDP says so itself
+            self._close(entry, None)
+            return fut
+        entry.unwrap = unwrap
+        return then(functools.partial(self._done, entry))
+
+    def _open(self, bucket: Any) -> _Entry:
+        spec = self.spec
+        dom = spec.nvtx.domain if _state.nvtx else None
+        entry = _Entry(spec.index, dom,
+                       None if dom is None else dom.start_range(spec.nvtx.attributes))
+        if not _state.timing:  # NVTX-only mode: the range alone
+            return entry
+        pipeline = self._pipeline
+        if not pipeline.started:
+            pipeline.start()
+        parent = current_span()
+        if isinstance(parent, self._region_type):
+            trace, up = parent.trace_id, parent.span_id
+        else:
+            trace, up = parent_ids(parent) if parent is not None else (0, 0)
+        if not trace:  # no current region on this thread: the one around the model's forward,
+            before = self.forward_parent  # or, once that ended, the region around it
+            if before is not None:
+                trace = before.trace_id
+                up = before.parent_id if before.t1 else before.span_id
+        entry.trace_id = trace or _ids.getrandbits(128) or 1
+        entry.parent_id = up
+        entry.span_id = _ids.getrandbits(64) or 1
+        entry.thread_id = threading.get_ident()
+        if entry.thread_id not in self._noted:  # record.NOTED: the threads already named
+            self._note_thread()
+        buffer = bucket.buffer()
+        entry.attributes = {"perfsdk.ddp.bucket": int(bucket.index()),
+                            "perfsdk.ddp.bucket_bytes": buffer.numel() * buffer.element_size()}
+        if _device.initialized():  # device time: from here on this stream to the end
+            event = clocks.event_pool(_device.get_backend()).get()
+            event.record()
+            entry.start_event = event
+        entry.t0 = self._now()
+        return entry
+
+    def _done(self, entry: _Entry, fut: Any) -> Any:
+        """The hook's future completed (on whichever thread completed it): end the region, and
+        hand DDP the future's value (or its error) unchanged. DDP waits for the future this
+        returns, so the region is recorded before ``backward()`` returns."""
+        try:
+            error: BaseException | None = None
+            try:
+                fut.value()  # no wait: the future is complete; raises the reduction's error
+            except Exception as exc:
+                error = exc
+            self._close(entry, error)
+        except Exception as exc:  # our bookkeeping never fails the reduction
+            warn_once("ddp-hook-done", f"perfsdk: could not record the end of a DDP bucket's "
+                      f"all-reduce ({exc!r}).")
+        return fut.value()[0] if entry.unwrap else fut.value()
+
+    def _close(self, entry: _Entry, error: BaseException | None) -> None:
+        t1 = self._now()
+        if entry.nvtx is not None:
+            entry.nvtx.end_range(entry.range_id)
+        if not entry.t0:
+            return
+        start, end = entry.start_event, None
+        if start is not None:
+            # In a CUDA future's callback the current stream waits for the all-reduce, so this
+            # event completes when the reduction has finished on the device.
+            end = clocks.event_pool(_device.get_backend()).get()
+            end.record()
+        entry.end_event = end
+        entry.resolved = end is None
+        pipeline = self._pipeline
+        pipeline.submit((entry.spec_index, entry.trace_id, entry.span_id, entry.parent_id,
+                         entry.t0, t1, entry.thread_id, error, entry.attributes, None, None,
+                         start, end, None if end is None else entry, None))
+        if end is not None:
+            pipeline.poke()
+
+    def register_after(self, model: Any, state: Any, hook: Callable[[Any, Any], Any]) -> None:
+        """``model.register_comm_hook(state, hook)`` once perfsdk's hook is in: DDP takes one
+        hook only, so perfsdk's wraps the user's from the next bucket on. A second user hook
+        is refused as DDP refuses it."""
+        if self.user:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once "
+                f"(this DDP model's communication hook is already {self.hook!r}, wrapped by "
+                "perfsdk.distributed.instrument_ddp)")
+        check = getattr(model, "_check_comm_hook", None)
+        if check is not None:
+            check(hook)  # DDP's own checks of the hook
+        self.use(hook, state, True)
+        logger = getattr(model, "logger", None)
+        if logger is not None:
+            with contextlib.suppress(Exception):
+                logger._set_comm_hook_name(self.__qualname__)
+
+
+def _hook_of(model: Any) -> _CommHook | None:
+    for hook, _ in getattr(model, "_comm_hooks", ()):
+        if isinstance(hook, _CommHook):
+            return hook
+    return None
+
+
+def _describe(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or repr(hook)
+
+
+def instrument_ddp(model: torch.nn.parallel.DistributedDataParallel, *,
+                   hook: Callable[[Any, Any], Any] | None = None, state: Any = None
+                   ) -> torch.nn.parallel.DistributedDataParallel:
+    """Record the gradient all-reduces of a ``DistributedDataParallel`` model as regions.
+
+    DDP reduces the gradients in buckets during ``backward()``, and a rank that finished its
+    backward early waits there for the slowest one, inside ``backward()``, where no region
+    shows it. This registers a communication hook that wraps DDP's default all-reduce (or
+    ``hook``), and records each bucket as a :data:`DDP_REGION` region of category
+    ``collective`` (attributes ``perfsdk.ddp.bucket``, ``perfsdk.ddp.bucket_bytes`` and
+    ``perfsdk.ddp.comm_hook``), nested in the region current at ``backward()`` (the step).
+    :func:`stragglers` then tells the slow rank: the others' time in these regions is their
+    wait for it. ``perfsdk run`` calls it on the first DDP model it sees called.
+
+    What a region measures: from the hook's call (the bucket's gradients are ready, and the
+    all-reduce is issued) to the completion of the future it returns. On gloo that is when the
+    all-reduce has finished, so the host time is the wait. On NCCL the future completes on the
+    host as soon as the all-reduce is queued on its stream, so the host time is short; the
+    region's device time (on a GPU) runs from the bucket being ready on the stream to the
+    all-reduce's end. Nothing waits for anything: the region ends in a callback chained on the
+    future (``then``), on whichever thread completes it, and DDP's own wait for that chained
+    future at the end of ``backward()`` is the only one (so every bucket's region is recorded
+    by the time ``backward()`` returns).
+
+    DDP accepts one communication hook per model. To use one of your own with perfsdk's,
+    pass it here (``hook``, ``state``: what you would give ``model.register_comm_hook``), or
+    call ``model.register_comm_hook(state, hook)`` after this: perfsdk's hook then wraps
+    yours. A hook registered *before* this cannot be wrapped (DDP offers no way to replace
+    it), and this raises, saying so.
+
+    Args:
+        model: the ``torch.nn.parallel.DistributedDataParallel`` model.
+        hook: a communication hook ``hook(state, bucket) -> torch.futures.Future`` to wrap;
+            default: DDP's all-reduce on the model's process group (what ``torch``'s
+            ``allreduce_hook`` does: the bucket divided by the world size, summed over the
+            ranks; DDP without a hook computes the same).
+        state: the ``state`` argument for ``hook``.
+
+    Returns:
+        ``model``, with the hook registered (calling this again changes nothing, except that
+        a ``hook`` given then is wrapped as ``model.register_comm_hook`` would).
+
+    Raises:
+        ValueError: ``model`` is not a ``DistributedDataParallel`` model, or ``hook`` is not
+            callable.
+        RuntimeError: the model already has a communication hook (one of yours, a built-in
+            one, DDP's mixed-precision hook); register yours through ``hook=`` instead.
+    """
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if not isinstance(model, ddp):
+        raise ValueError(f"instrument_ddp: model is a {type(model).__name__}; accepted values "
+                         "are torch.nn.parallel.DistributedDataParallel models (wrap it first: "
+                         "DistributedDataParallel(model))")
+    if hook is not None and not callable(hook):
+        raise ValueError(f"instrument_ddp: hook={hook!r}; accepted values are None or a "
+                         "callable hook(state, bucket) -> torch.futures.Future")
+    ours = _hook_of(model)
+    if ours is not None:
+        if hook is not None:
+            ours.register_after(model, state, hook)
+        return model
+    registered = getattr(model, "_comm_hooks", None) or []
+    if registered:
+        theirs = _describe(registered[0][0])
+        raise RuntimeError(
+            f"instrument_ddp: this DDP model already has a communication hook ({theirs}), and "
+            "DDP takes one only, so perfsdk cannot wrap it. Register it through perfsdk "
+            f"instead: perfsdk.distributed.instrument_ddp(model, hook={theirs}, state=...) in "
+            "place of model.register_comm_hook(state, hook), or call instrument_ddp(model) "
+            "first and register your hook after it.")
+    if hook is None:
+        wrapper = _CommHook(None, model.process_group, user=False)
+    else:
+        check = getattr(model, "_check_comm_hook", None)
+        if check is not None:
+            check(hook)
+        wrapper = _CommHook(hook, state, user=True)
+    try:
+        ddp.register_comm_hook(model, None, wrapper)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "instrument_ddp: DDP refused perfsdk's communication hook: this model already has "
+            "one (a built-in hook, DDP's mixed precision or a fused optimizer), and DDP takes "
+            "one only. Pass a hook of your own through instrument_ddp(model, hook=..., "
+            f"state=...) instead. DDP said: {exc}") from exc
+    model.register_forward_pre_hook(wrapper.note_forward)
+    # A hook the program registers from now on is wrapped, not refused (DDP takes one only).
+    model.register_comm_hook = functools.partial(  # type: ignore[method-assign]
+        wrapper.register_after, model)
+    return model

@@ -45,8 +45,8 @@ from perfsdk import _device
 from perfsdk.config import extensions_enabled
 from perfsdk.errors import warn_once
 
-__all__ = ["TRACKER", "MemoryTracker", "largest_free_block", "oom_attributes", "peak_rss",
-           "want_snapshots"]
+__all__ = ["TRACKER", "MemoryTracker", "current_rss", "largest_free_block", "oom_attributes",
+           "peak_rss", "want_snapshots"]
 
 _getrusage = resource.getrusage
 # The peak RSS is the address space's: any thread's getrusage reports it, and RUSAGE_THREAD
@@ -69,6 +69,30 @@ if extensions_enabled():
         peak_rss = _fastpath.maxrss
     except ImportError:
         pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_statm: list[int | None] = []  # [fd] once opened; [None] where /proc/self/statm is missing
+
+
+def current_rss() -> int | None:
+    """The process's resident set size now, in bytes (``/proc/self/statm``'s second field; one
+    ``pread`` on a descriptor opened once, about a microsecond), or None where there is no
+    ``/proc`` (macOS, Windows). Steps record it at their end while memory tracking is on
+    (``perfsdk.memory.rss_bytes``), so the advisor sees RSS fall as well as grow: the peak
+    RSS that regions report only ever grows."""
+    if not _statm:
+        try:
+            _statm.append(os.open("/proc/self/statm", os.O_RDONLY))
+        except OSError:
+            _statm.append(None)
+    fd = _statm[0]
+    if fd is None:
+        return None
+    try:
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class _Open:

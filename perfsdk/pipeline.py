@@ -28,16 +28,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import Any, Protocol
 
 from perfsdk import _device, clocks
 from perfsdk.errors import warn_once
 from perfsdk.record import END, ERROR, REGION, SPEC, START, T0, T1
 
-__all__ = ["FORK", "MAX_PENDING", "PIPELINE", "WORKER_EXIT_BUDGET", "Pipeline", "Sink"]
+__all__ = ["FORK", "MAX_PENDING", "PIPELINE", "WORKER_EXIT_BUDGET", "Pipeline", "Sink",
+           "chunk_for"]
 
 CHUNK = 64
-"""Records per hand-off to the sinks (about half a millisecond of work with metrics on)."""
+"""Records per hand-off to the sinks, where nobody waits for the GPU or for a rest (flush,
+summary, exit); the pipeline thread's routine rounds size theirs by time (:data:`HOLD_S`)."""
+
+HOLD_S = 0.0002
+"""The work a routine round does between two rests: chunks are sized so that handing one to
+the sinks takes about this long (measured, per round, from the chunk before: the sinks' cost
+per record varies from under a microsecond to ten with metrics on), between :data:`MIN_CHUNK`
+and :data:`MAX_CHUNK` records. The caller waits for the GIL at most about this long when it
+wants it back in the middle of a chunk."""
+
+MIN_CHUNK = 8
+MAX_CHUNK = 512
 
 PACE_S = 0.0002
 """The rest the pipeline thread takes after each chunk of a routine round. Python lets a thread
@@ -48,6 +61,17 @@ bounded pending queue counts what it cannot take). Rounds that someone waits for
 summary, exit) run without rests."""
 
 _rest = time.sleep
+_clock = time.perf_counter
+
+
+def chunk_for(size: int, took: float) -> int:
+    """The next chunk's size, after a chunk of ``size`` records took ``took`` seconds: about
+    :data:`HOLD_S` of work, moving at most halfway there at once (one slow chunk, e.g. a
+    garbage collection, does not shrink the next to nothing)."""
+    if took <= 0:
+        return min(MAX_CHUNK, size * 2)
+    target = size * HOLD_S / took
+    return max(MIN_CHUNK, min(MAX_CHUNK, round((size + target) / 2)))
 
 MAX_PENDING = 65_536
 """Regions waiting for the pipeline thread at most (about 300 bytes each). Beyond it a region
@@ -112,12 +136,16 @@ class Pipeline:
         queue overflowed; ``shutdown``: still pending when exit's budget ran out); the span sink
         counts their spans as lost."""
         self.started = False
+        self.queue: deque[Any] = deque()
+        """The pending queue (see :meth:`submit`). The same object for the pipeline's lifetime
+        (emptied, never replaced, in a forked child), so the region hot path appends to it
+        directly, at most :attr:`max_pending` long, and hands the rest to :meth:`spill`."""
         self._init_state()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(before=self._await_set_up, after_in_child=self._after_fork)
 
     def _init_state(self) -> None:
-        self._queue: deque[Any] = deque()
+        self.queue.clear()
         self._waiting: list[Any] = []
         self._overflow: dict[int, list[int]] = {}
         self._overflow_lock = threading.Lock()
@@ -128,6 +156,7 @@ class Pipeline:
         self._tickets: deque[_Ticket] = deque()
         self._in_hand = 0
         self._abandoned = 0
+        self._chunk = CHUNK
         self._hand_lock = threading.Lock()
         self._set_up = threading.Event()
         self._ready_hook = False
@@ -137,13 +166,13 @@ class Pipeline:
 
     # -- the hot path ----------------------------------------------------------------------
     def submit(self, record: Any) -> None:
-        queue = self._queue
+        queue = self.queue
         if len(queue) < self.max_pending:
             queue.append(record)
         else:
-            self._spill(record)
+            self.spill(record)
 
-    def _spill(self, record: Any) -> None:
+    def spill(self, record: Any) -> None:
         """The pending queue is full: tally the region for the summary (calls, host time,
         errors) and count its span as lost; never block, never grow."""
         with self._overflow_lock:
@@ -253,7 +282,7 @@ class Pipeline:
     @property
     def pending(self) -> int:
         """Regions not yet handed to the sinks (queued, waiting for the GPU, or in a drain)."""
-        return len(self._queue) + len(self._waiting) + self._in_hand
+        return len(self.queue) + len(self._waiting) + self._in_hand
 
     def settle(self, timeout: float, *, final: bool = False) -> bool:
         """Have the pipeline thread hand every finished region to the sinks (waiting for the
@@ -284,40 +313,51 @@ class Pipeline:
         abandoned = self._abandoned
         try:
             self._deliver_overflow()
-            batch, self._waiting = self._waiting, []
-            self._in_hand = len(batch)
-            queue = self._queue
-            for _ in range(len(queue)):
-                batch.append(queue.popleft())
-                self._in_hand += 1
-            ready: list[Any] = []
-            waiting: list[Any] = []
+            queue = self.queue
+            with self._hand_lock:  # exit's count of what is left sees each record once
+                if abandoned != self._abandoned:
+                    return 0
+                batch, self._waiting = self._waiting, []
+                batch += islice(iter(queue.popleft, None), len(queue))  # in C: no frame per record
+                self._in_hand = len(batch)
             gate = self.gate
-            for rec in batch:
-                if gate is not None and not wait and not gate(rec[T1]):
-                    waiting.append(rec)  # e.g. the GPU sampler has not passed its end yet
-                elif rec[END] is None:
-                    ready.append(rec)
-                else:
-                    resolved = self.resolve(rec, wait)
-                    if resolved is None:
-                        waiting.append(rec)
+            ready: list[Any] | None = None
+            waiting: list[Any] = []
+            if gate is None or wait:  # no GPU sampler to wait for: only GPU records wait
+                ready = [rec for rec in batch if rec[END] is None]
+            if ready is None or len(ready) != len(batch):
+                ready = []
+                for rec in batch:
+                    if gate is not None and not wait and not gate(rec[T1]):
+                        waiting.append(rec)  # e.g. the GPU sampler has not passed its end yet
+                    elif rec[END] is None:
+                        ready.append(rec)
                     else:
-                        ready.append(resolved)
+                        resolved = self.resolve(rec, wait)
+                        if resolved is None:
+                            waiting.append(rec)
+                        else:
+                            ready.append(resolved)
             del batch
-            for i in range(0, max(len(ready), 1), CHUNK):
+            count, done = len(ready), 0
+            while True:
+                size = self._chunk if pace else CHUNK
+                began = _clock()
                 with self._hand_lock:  # exit's count of what is left sees whole chunks only
                     if abandoned != self._abandoned:  # exit counted the rest as lost
-                        return i
-                    if i == 0:
+                        return done
+                    if done == 0:
                         self._waiting = waiting + self._waiting
-                        self._in_hand = len(ready)
+                        self._in_hand = count
                     if ready:
-                        self._deliver(ready[i:i + CHUNK])
-                    self._in_hand = max(0, len(ready) - i - CHUNK)
-                if pace and i + CHUNK < len(ready):
-                    _rest(PACE_S)  # outside the lock: exit's count never waits for a rest
-            return len(ready)
+                        self._deliver(ready[done:done + size])
+                    done += size
+                    self._in_hand = max(0, count - done)
+                if done >= count:
+                    return count
+                if pace:  # outside the lock: exit's count never waits for a rest
+                    self._chunk = chunk_for(size, _clock() - began)
+                    _rest(PACE_S)
         finally:
             self._in_hand = 0
             self._drain_lock.release()
@@ -408,7 +448,7 @@ class Pipeline:
                 # neither the drain in progress nor a later one delivers it.
                 with self._hand_lock:
                     self._abandoned += 1
-                    queue, queued = self._queue, len(self._queue)
+                    queue, queued = self.queue, len(self.queue)
                     for _ in range(queued):
                         queue.popleft()
                     with self._overflow_lock:

@@ -80,7 +80,16 @@ _current_span = _ctx.current_span
 _attach = _ctx.attach
 _detach = _ctx.detach
 _event_pool = clocks.event_pool
-_submit = PIPELINE.submit
+_queue = PIPELINE.queue  # PIPELINE.submit, written out in Region.exit
+_enqueue = _queue.append
+# The current context, read and set directly (see perfsdk.context.CURRENT): with OpenTelemetry
+# the variable holds a Context whose _SPAN_KEY entry is the current span; without, the span.
+_SPAN_KEY = _ctx.SPAN_KEY
+_Context = _ctx.CONTEXT
+_cur_get = None if _ctx.CURRENT is None else _ctx.CURRENT.get
+_cur_set = None if _ctx.CURRENT is None else _ctx.CURRENT.set
+_cur_reset = _detach if _ctx.CURRENT is None else _ctx.CURRENT.reset
+_alloc = object.__new__  # a Region without its __init__ (the gate sets every field at entry)
 
 AttributeValue = str | bool | int | float | tuple[Any, ...] | list[Any]
 
@@ -164,7 +173,7 @@ class RegionSpec:
             if not _state.nvtx or self.nvtx.domain is None:
                 return NULL_REGION  # no NVTX range to emit: nothing at all
             # start/end ranges (async) keep an id per entry: the Region's NVTX-only path
-        return Region(self, attributes).enter()
+        return _alloc(Region)._start(self, attributes)
 
     def open(self, attributes: dict[str, Any] | None = None) -> Region | NullRegion:
         """The gate: :data:`NULL_REGION` for a disabled or sampled-out entry, else the entered
@@ -180,14 +189,14 @@ class RegionSpec:
         if n != 1 and next(self.calls) % n:
             return NULL_REGION
         if _state.timing:
-            return Region(self, attributes).enter()
+            return _alloc(Region)._start(self, attributes)
         shared = self.nvtx_range  # NVTX-only: as in enter()
         if shared is not None and _state.nvtx:
             self.nvtx.domain.push_range(self.nvtx.attributes)
             return shared
         if not _state.nvtx or self.nvtx.domain is None:
             return NULL_REGION
-        return Region(self, attributes).enter()
+        return _alloc(Region)._start(self, attributes)
 
     def open_handle(self, attributes: dict[str, Any] | None = None) -> Region:
         """The gate for entries handed to the user (``timed_region``, steps): a Region of its
@@ -358,6 +367,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     thread_id: int
 
     def __init__(self, spec: RegionSpec, attributes: dict[str, Any] | None = None) -> None:
+        """An entry not entered yet (a handle; :meth:`enter` enters it). The gate makes its
+        entries without this, with every field set by :meth:`_start`."""
         self.spec = spec
         self._attributes = attributes
         self.events: list[tuple[str, dict[str, Any], int]] | None = None
@@ -375,17 +386,38 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
 
     # -- live half: on the calling thread -------------------------------------------------
     def enter(self) -> Region:
+        return self._start(self.spec, self._attributes)
+
+    def _start(self, spec: RegionSpec, attributes: dict[str, Any] | None) -> Region:
+        """Set every field of this entry and enter it: the gate's whole per-entry work, in one
+        frame (the region hot path; see benchmarks/overhead.py)."""
+        self.spec = spec
+        self._attributes = attributes
+        self.events = None
+        self.start_event = None
+        self.end_event = None
+        self.device_ms = None
+        self.error = None
+        self.memory = None
+        self.resolved = False
         self.entered = True
-        spec = self.spec
-        dom = spec.nvtx.domain if _state.nvtx else None
+        self.t1 = 0
+        self._rf = None
+        self._mem = None
+        if _state.nvtx:
+            marker = spec.nvtx
+            dom = marker.domain
+            if dom is not None:
+                if spec.asynchronous:  # ranges that may interleave with other tasks
+                    self._range_id = dom.start_range(marker.attributes)
+                else:
+                    dom.push_range(marker.attributes)
+        else:
+            dom = None
         self._nvtx = dom  # exit closes exactly what enter opened, whatever configure() did since
-        if dom is not None:
-            if spec.asynchronous:  # ranges that may interleave with other tasks
-                self._range_id = dom.start_range(spec.nvtx.attributes)
-            else:
-                dom.push_range(spec.nvtx.attributes)
         self._timed = timed = _state.timing
         if not timed:  # NVTX-only mode (PERFSDK_TIMING=0)
+            self.t0 = 0
             return self
         if not PIPELINE.started:
             PIPELINE.start()
@@ -394,18 +426,35 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             rf = _record_function(spec.name)
             rf.__enter__()
             self._rf = rf
-        parent = _current_span()
+        # The parent: the current span (perfsdk.context.CURRENT, read directly).
+        if _SPAN_KEY is not None:
+            context = _cur_get()  # type: ignore[misc]
+            parent = context.get(_SPAN_KEY)
+        elif _cur_get is not None:
+            parent = _cur_get()
+        else:
+            parent = _current_span()
         if type(parent) is Region:
             self.trace_id = parent.trace_id
             self.parent_id = parent.span_id
-        else:
+        elif parent is None:
+            self.trace_id = _getrandbits(128) or 1
+            self.parent_id = 0
+        else:  # a span of the user's, or OpenTelemetry's invalid span
             trace_id, self.parent_id = _parent_ids(parent)
             self.trace_id = trace_id or _getrandbits(128) or 1
         self.span_id = _getrandbits(64) or 1
-        self.thread_id = _get_ident()
-        if not _noted.done:  # the thread's name, once per thread, for sinks that run after it
+        self.thread_id = ident = _get_ident()
+        if ident not in _noted:  # the thread's name, once per thread, for sinks that run after it
             _note_thread()
-        self._token = _attach(self)
+        if _SPAN_KEY is not None:  # what attach(set_span_in_context(self)) does
+            values = context.copy()
+            values[_SPAN_KEY] = self
+            self._token = _cur_set(_Context(values))  # type: ignore[misc]
+        elif _cur_set is not None:
+            self._token = _cur_set(self)
+        else:
+            self._token = _attach(self)
         memory = spec.memory
         if memory or (memory is None and _state.memory):
             self._mem = _memory.TRACKER.enter()
@@ -436,35 +485,52 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         if not t1:
             t1 = _perf_ns()
         start = self.start_event
-        end = None
-        if start is not None:
+        if start is None:
+            end = None
+            self.resolved = True
+        else:
             end = _event_pool(_device.get_backend()).get()
             end.record()
-        self.end_event = end
-        self.resolved = end is None
+            self.end_event = end
         self.t1 = t1
         self.error = error
-        self.memory = memory = None if self._mem is None else _memory.TRACKER.exit(self._mem)
+        mem = self._mem
+        if mem is None:
+            memory = None
+        else:
+            self.memory = memory = _memory.TRACKER.exit(mem)
         if error is not None and isinstance(error, torch.OutOfMemoryError):
             self._on_oom(error, memory)
+        token = self._token
+        self._token = None  # fewer live objects for the garbage collector to walk
         try:
-            _detach(self._token)
+            _cur_reset(token)
+        except Exception:  # a token of another context: detach says so (OpenTelemetry logs)
+            _detach(token)
         finally:
-            self._token = None  # fewer live objects for the garbage collector to walk
             rf = self._rf
             if rf is not None:
                 self._rf = None
                 rf.__exit__(None, None, None)
-            self._close_nvtx()
             spec = self.spec
+            dom = self._nvtx
+            if dom is not None:
+                if spec.asynchronous:
+                    dom.end_range(self._range_id)
+                else:
+                    dom.pop_range()
             if end is not None:
                 if spec.sync:
                     PIPELINE.resolve_region(self, wait=True)
                 PIPELINE.poke()
             # A plain tuple (see perfsdk.record); the Region rides along only with GPU events.
-            _submit((spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
-                     self.thread_id, error, self._attributes, self.events, memory, start, end,
-                     None if end is None else self, None))
+            record = (spec.index, self.trace_id, self.span_id, self.parent_id, self.t0, t1,
+                      self.thread_id, error, self._attributes, self.events, memory, start, end,
+                      None if end is None else self, None)
+            if len(_queue) < PIPELINE.max_pending:  # PIPELINE.submit(record)
+                _enqueue(record)
+            else:
+                PIPELINE.spill(record)
 
     def _forget(self) -> None:
         """Exit of a region entered before a fork, in the child: the region is the parent's (it

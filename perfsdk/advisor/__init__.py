@@ -13,6 +13,13 @@ material teaches (profile, find the bottleneck, apply the matching fix, measure 
   fix ``perfsdk.optimize.optimize(model, inputs, compile=True)`` / ``apply_cuda_graphs``.
 - ``memory``: a peak above :data:`MEMORY_PRESSURE` of ``device_memory_bytes``, or an
   out-of-memory error; fix ``apply_checkpointing``, AMP, a smaller batch.
+- ``memory_creep``: memory that grows every step, a leak: over at least
+  :data:`CREEP_MIN_STEPS` steps, the steps' peak allocated GPU memory (or the process's RSS)
+  rises in each of :data:`CREEP_SEGMENTS` parts of the run, close to a line
+  (:data:`CREEP_FIT`), by at least :data:`CREEP_MIN_BYTES` and :data:`CREEP_MIN_FRACTION` of
+  the start; the finding gives the slope per step, the growth per 1,000 steps and the region
+  where it grows; fix ``perfsdk.configure(memory=True, memory_snapshots=True)`` and the usual
+  causes (tensors kept with their graph, lists that grow every step, unbounded caches).
 - ``compute``: none of data, sync, launch, and forward/backward take at least
   :data:`COMPUTE_SHARE`; fix ``perfsdk.optimize.optimize(model, inputs, auto=True)``, which
   measures AMP, compile and channels-last on this machine.
@@ -48,6 +55,11 @@ from __future__ import annotations
 from perfsdk.advisor.advice import KINDS, Advice, advise
 from perfsdk.advisor.rules import (
     COMPUTE_SHARE,
+    CREEP_FIT,
+    CREEP_MIN_BYTES,
+    CREEP_MIN_FRACTION,
+    CREEP_MIN_STEPS,
+    CREEP_SEGMENTS,
     DATA_SHARE,
     LAUNCH_HOST_DEVICE_RATIO,
     LAUNCH_MIN_IMPACT,
@@ -65,7 +77,8 @@ from perfsdk.advisor.rules import (
 )
 
 __all__ = [
-    "COMPUTE_SHARE", "DATA_SHARE", "KINDS", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
+    "COMPUTE_SHARE", "CREEP_FIT", "CREEP_MIN_BYTES", "CREEP_MIN_FRACTION", "CREEP_MIN_STEPS",
+    "CREEP_SEGMENTS", "DATA_SHARE", "KINDS", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
     "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT", "NAMES",
     "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
     "Advice", "Finding", "advise",

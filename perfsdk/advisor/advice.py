@@ -15,7 +15,7 @@ from perfsdk.record import RegionResult
 
 __all__ = ["KINDS", "Advice", "advise"]
 
-KINDS = ("data", "sync", "launch", "memory", "compute")
+KINDS = ("data", "sync", "launch", "memory", "memory_creep", "compute")
 """Finding kinds, in the order that breaks ties of impact."""
 
 _WIDTH = 100
@@ -106,7 +106,7 @@ def render(advice: Advice) -> str:
         lines += ["", "No bottleneck found by the rules."]
     of = "step time" if advice.steps else "recorded time"
     for n, f in enumerate(advice.findings, 1):
-        at_stake = "" if f.kind == "memory" else f", ~{100 * f.impact:.0f}% of {of}"
+        at_stake = "" if f.kind.startswith("memory") else f", ~{100 * f.impact:.0f}% of {of}"
         lines += ["", f"{n}. {f.title}  [{f.severity}{at_stake}]"]
         lines += _block("evidence", [f.evidence])
         lead = 0  # the comments right after the fix explain it: under "fix"

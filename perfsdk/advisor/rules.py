@@ -3,7 +3,8 @@
 Each rule reads a :class:`Run` (the records of one run, with the step-time basis worked out) and
 returns a :class:`Finding` or None, adding to ``run.notes`` what it could not check. The rules
 follow the seeds' optimization loop: profile, name the bottleneck (data loading, host-device
-syncs, launch overhead, memory, compute), apply the matching fix, measure again.
+syncs, launch overhead, memory pressure, memory creep, compute), apply the matching fix,
+measure again.
 
 A rule claims only what the run shows: syncs are those of this run's regions (and, from a
 summary, those outside any region while the run's regions ran), counted per step only inside
@@ -15,11 +16,13 @@ given :data:`NAMES`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from perfsdk.advisor.trend import off_line, segment_medians, theil_sen
 from perfsdk.export.summary import format_flops, format_mfu
 from perfsdk.record import RegionResult
 from perfsdk.sync.ops import OPS
@@ -28,6 +31,7 @@ __all__ = [
     "COMPUTE_SHARE", "DATA_SHARE", "LAUNCH_HOST_DEVICE_RATIO", "LAUNCH_MIN_IMPACT",
     "LAUNCH_SHORT_STEP_MS", "LAUNCH_UTILIZATION", "MEMORY_PRESSURE", "MEMORY_WEIGHT", "NAMES",
     "SYNCS_PER_STEP", "SYNC_MIN_IMPACT", "SYNC_STALL_MS", "WARMUP_MIN_STEPS", "WARMUP_STEPS",
+    "CREEP_FIT", "CREEP_MIN_BYTES", "CREEP_MIN_FRACTION", "CREEP_MIN_STEPS", "CREEP_SEGMENTS",
     "Finding", "Run", "RULES",
 ]
 
@@ -78,6 +82,26 @@ MEMORY_WEIGHT = 0.25
 """Memory costs no time by itself: its impact is ``MEMORY_WEIGHT * peak / capacity`` (1.0 after
 an out-of-memory error), so a measured time loss above about a quarter ranks first."""
 
+CREEP_MIN_STEPS = 20
+"""Memory creep is looked for over at least this many steps with memory readings (after the
+warm-up step): fewer cannot tell a leak from noise."""
+
+CREEP_SEGMENTS = 4
+"""Memory creeps when the median reading of each of this many consecutive parts of the steps
+is above the previous part's (a one-time jump lifts one part only) ..."""
+
+CREEP_FIT = 0.10
+"""... and the readings lie on a straight line: the median distance of a reading from the
+Theil-Sen line is at most this fraction of the growth over the steps (a jump or two is a
+staircase, far from any line; a leak with a transient spike now and then stays on it) ..."""
+
+CREEP_MIN_BYTES = 32 * 2**20
+"""... and the growth over the steps (the Theil-Sen slope times the steps spanned) is at least
+this many bytes (32 MiB) ..."""
+
+CREEP_MIN_FRACTION = 0.05
+"""... and at least this fraction of the memory in use at the start (the first part's median)."""
+
 COMPUTE_SHARE = 0.50
 """Compute-bound when nothing above was found and forward/backward regions (category
 ``module``, ``module.backward`` or ``compute``, or named ``forward`` / ``backward``) take at
@@ -104,7 +128,7 @@ class Finding:
     """One bottleneck, with the numbers behind it and the perfsdk call that addresses it."""
 
     kind: str
-    """``data``, ``sync``, ``launch``, ``memory`` or ``compute``."""
+    """``data``, ``sync``, ``launch``, ``memory``, ``memory_creep`` or ``compute``."""
     title: str
     impact: float
     """Estimated share of the loop time at stake, 0..1 (findings are ordered by it)."""
@@ -116,7 +140,8 @@ class Finding:
     """The same numbers as data (milliseconds, fractions, counts, bytes)."""
     fix: str
     """What to do first: one Python statement that runs as printed, given ``perfsdk``,
-    ``torch`` and :data:`NAMES` (``model = perfsdk.optimize.apply_compile(model)``)."""
+    ``torch`` and :data:`NAMES` (``model = perfsdk.optimize.apply_compile(model)``), or a
+    ``#`` comment where the fix is a change to your own code (a leak on the CPU)."""
     details: tuple[str, ...] = ()
     """More statements, each runnable as printed, and ``#`` comments that explain them."""
     sites: tuple[str, ...] = ()
@@ -148,7 +173,7 @@ def _finding(run: Run, kind: str, title: str, impact: float, evidence: str,
     lines: list[str] = []
     for f in kept:
         lines += [f.code, *([f"# {f.comment}"] if f.comment else [])]
-    if not lines or lines[0].startswith("#"):
+    if not lines or (lines[0].startswith("#") and len(kept) < len(fixes)):
         lines.insert(0, "# nothing new to apply: the fixes for this are already on (see below)")
     data = {**data, "already_on": list(skipped)}
     return Finding(kind, title, impact, severity(impact), evidence, data, lines[0],
@@ -478,6 +503,234 @@ def memory_rule(run: Run) -> Finding | None:
              "with half the batch size per call: the same effective batch in less memory")])
 
 
+# -- memory creep --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """A per-step memory reading the creep rule can follow."""
+
+    name: str
+    """``data["source"]``."""
+    key: str
+    """The reading: a ``perfsdk.memory.*`` key of ``RegionResult.memory`` or an attribute."""
+    what: str
+    subtree: bool
+    """A step's level is the largest reading of the step and the regions inside it (peaks);
+    else the step's own reading."""
+
+
+_CUDA = _Source("cuda", "perfsdk.memory.peak_bytes", "the steps' peak allocated GPU memory", True)
+_RSS = _Source("rss", "perfsdk.memory.rss_bytes", "the process's RSS at each step's end", False)
+_RSS_PEAK = _Source("rss_peak", "perfsdk.memory.rss_peak_bytes",
+                    "the process's peak RSS (its high-water mark)", True)
+_DELTA = "perfsdk.memory.allocated_delta_bytes"
+
+
+def _reading(r: RegionResult, key: str) -> float | None:
+    value = r.memory.get(key) if r.memory else None
+    if value is None:
+        value = r.attributes.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _members(run: Run) -> dict[int, list[tuple[RegionResult, int]]]:
+    """Each step's span id -> the regions nested in it, with their depth (1: a child)."""
+    step_ids = {s.span_id for s in run.steps}
+    out: dict[int, list[tuple[RegionResult, int]]] = {sid: [] for sid in step_ids}
+    known: dict[int, tuple[int, int]] = {}  # span id -> (its step, its depth); step 0: none
+    for r in run.regions:
+        if r.span_id in step_ids:
+            continue
+        chain: list[int] = []
+        parent, found = r.parent_span_id, (0, 0)
+        while parent and len(chain) < 256:
+            if parent in step_ids:
+                found = (parent, 0)
+                break
+            if parent in known:
+                found = known[parent]
+                break
+            chain.append(parent)
+            up = run.by_span.get(parent)
+            if up is None:
+                break
+            parent = up.parent_span_id
+        step, depth = found
+        for n, span in enumerate(reversed(chain), 1):  # the outermost first
+            known[span] = (step, depth + n if step else 0)
+        if step:
+            out[step].append((r, depth + len(chain) + 1))
+    return out
+
+
+def _series(run: Run, source: _Source, members: Mapping[int, list[tuple[RegionResult, int]]]
+            ) -> tuple[list[float], list[float], list[RegionResult]]:
+    """``(step numbers, levels, steps)`` of the steps that have the reading. Step numbers are
+    ``perfsdk.step`` where every step has it (a schedule's gaps count), else 0, 1, 2..."""
+    steps = sorted(run.steps, key=lambda r: r.start_ns)
+    given = [s.attributes.get("perfsdk.step") for s in steps]
+    numbers = [n for n in given if isinstance(n, int) and not isinstance(n, bool)]
+    if len(numbers) != len(steps) or any(b <= a for a, b in itertools.pairwise(numbers)):
+        numbers = list(range(len(steps)))
+    xs: list[float] = []
+    ys: list[float] = []
+    kept: list[RegionResult] = []
+    for number, step in zip(numbers, steps, strict=True):
+        readings = [_reading(step, source.key)]
+        if source.subtree:
+            readings += [_reading(r, source.key) for r, _ in members.get(step.span_id, ())]
+        present = [v for v in readings if v is not None]
+        if present:
+            xs.append(float(number))
+            ys.append(max(present))
+            kept.append(step)
+    return xs, ys, kept
+
+
+def _creeps(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, list[float]] | None:
+    """``(slope, part medians)`` when the series grows steadily and materially, else None."""
+    slope = theil_sen(xs, ys)
+    medians = segment_medians(ys, CREEP_SEGMENTS)
+    growth = slope * (xs[-1] - xs[0])
+    material = growth >= CREEP_MIN_BYTES and growth >= CREEP_MIN_FRACTION * max(medians[0], 0.0)
+    if not (material and all(b > a for a, b in itertools.pairwise(medians))):
+        return None
+    return (slope, medians) if off_line(xs, ys, slope) <= CREEP_FIT * growth else None
+
+
+def _grows_in(steps: Sequence[RegionResult], members: Mapping[int, list[tuple[RegionResult, int]]],
+              slope: float) -> tuple[str | None, float | None]:
+    """Where the allocated memory grows: ``(region name, its growth per step)``; the name is
+    None for "between the steps" and the step's own name when no region inside it accounts for
+    the growth. A region accounts for it when the median of its net allocation per step
+    (``allocated_delta_bytes`` summed over its calls in a step) is within half to one and a
+    half times the slope; of several, the deepest. Regions whose allocation another frees
+    later in the step (a forward's activations, freed by backward) allocate far more than the
+    slope and are not named."""
+    own = [_reading(s, _DELTA) for s in steps]
+    if all(v is not None for v in own):
+        median = float(statistics.median(v for v in own if v is not None))
+        if median < 0.5 * slope:
+            return None, median
+    per_step: dict[str, list[float]] = {}
+    depth: dict[str, int] = {}
+    for k, step in enumerate(steps):
+        for r, d in members.get(step.span_id, ()):
+            delta = _reading(r, _DELTA)
+            if delta is not None:
+                per_step.setdefault(r.name, [0.0] * len(steps))[k] += delta
+                depth[r.name] = max(depth.get(r.name, 0), d)
+    best: tuple[tuple[int, float, str], float] | None = None
+    for name, sums in per_step.items():
+        grows = float(statistics.median(sums))
+        if 0.5 * slope <= grows <= 1.5 * slope:
+            rank = (-depth[name], abs(grows - slope), name)
+            if best is None or rank < best[0]:
+                best = (rank, grows)
+    if best is not None:
+        return best[0][2], best[1]
+    return steps[0].name, None
+
+
+def creep_rule(run: Run) -> Finding | None:
+    """Memory that grows every step: a leak. Reads, per step after the warm-up, the steps'
+    peak allocated GPU memory (``perfsdk.memory.peak_bytes`` of the step and the regions in
+    it), then the process's RSS at each step's end (``perfsdk.memory.rss_bytes``) or, without
+    it, its peak RSS; see :data:`CREEP_MIN_STEPS` for when it fires."""
+    if not run.steps:
+        return None
+    members = _members(run)
+    host = _RSS if any(_reading(s, _RSS.key) is not None for s in run.steps) else _RSS_PEAK
+    counted: list[int] = []
+    for source in (_CUDA, host):
+        xs, ys, steps = _series(run, source, members)
+        if not ys:
+            continue
+        counted.append(len(ys))
+        if len(ys) < CREEP_MIN_STEPS:
+            continue
+        found = _creeps(xs, ys)
+        if found is not None:
+            return _creep_finding(run, source, xs, ys, steps, members, *found)
+    if not counted:
+        run.notes.append("memory creep not checked: the steps record no memory "
+                         "(perfsdk.configure(memory=True) or PERFSDK_MEMORY=1)")
+    elif max(counted) < CREEP_MIN_STEPS:
+        run.notes.append(f"memory creep not checked: {max(counted)} steps with memory readings "
+                         f"after warm-up, {CREEP_MIN_STEPS} needed")
+    elif len(counted) == 1 and host is _RSS_PEAK:
+        run.notes.append("memory creep on the CPU read from the peak RSS, which shows growth "
+                         "only once it passes the process's earlier high-water mark")
+    return None
+
+
+def _size(n: float) -> str:
+    """Bytes in MiB (GiB from 1 GiB), three significant digits."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.3g} GiB"
+    mib = n / 2**20
+    return f"{mib:,.0f} MiB" if abs(mib) >= 100 else f"{mib:.3g} MiB"
+
+
+def _creep_finding(run: Run, source: _Source, xs: Sequence[float], ys: Sequence[float],
+                   steps: Sequence[RegionResult],
+                   members: Mapping[int, list[tuple[RegionResult, int]]], slope: float,
+                   medians: Sequence[float]) -> Finding:
+    growth = slope * (xs[-1] - xs[0])
+    step_name = steps[0].name
+    if source is _CUDA:
+        region, there = _grows_in(steps, members, slope)
+        if region is None:
+            where = "between the steps, outside the step regions (their own growth is " \
+                    f"{_size(there or 0.0)}/step)"
+        elif there is None:
+            where = f"in `{region}` itself (no region inside it with memory readings accounts " \
+                    "for the growth)"
+        else:
+            where = f"in `{region}` ({_size(there)}/step there)"
+    else:
+        region, there = step_name, None
+        where = f"in `{step_name}` (RSS is read per step: no region inside it is named)"
+    evidence = (f"{source.what} rises {_size(slope)}/step over {len(ys)} steps, higher in each "
+                f"of {CREEP_SEGMENTS} parts of the run: {_size(ys[0])} to {_size(ys[-1])} "
+                f"(+{_size(growth)}), +{_size(1000 * slope)} per 1,000 steps; grows {where}")
+    if source is _RSS_PEAK:
+        evidence += "; the peak shows growth only past the earlier high-water mark"
+    to_capacity = None
+    if source is _CUDA and run.capacity:
+        to_capacity = max(0, int((run.capacity - ys[-1]) // slope))
+        evidence += f"; the device's {_mib(run.capacity)} are full in ~{to_capacity:,} steps"
+    data = {"source": source.name, "slope_bytes_per_step": slope,
+            "growth_per_1000_steps_bytes": 1000 * slope, "growth_bytes": growth,
+            "steps": len(ys), "first_step": int(xs[0]), "last_step": int(xs[-1]),
+            "start_bytes": ys[0], "end_bytes": ys[-1], "part_medians_bytes": list(medians),
+            "region": region, "region_slope_bytes_per_step": there,
+            "steps_to_capacity": to_capacity}
+    gpu = source is _CUDA
+    named = region is not None and there is not None  # a region inside the step
+    title = f"Memory creep: {'GPU memory' if gpu else 'the process memory'} grows every step"
+    return _finding(run, "memory_creep", title, MEMORY_WEIGHT, evidence, data, [
+        *([_Fix("perfsdk.configure(memory_snapshots=True)",
+                f"an out-of-memory error then writes an allocation snapshot with the stack of "
+                f"every live block, those `{region}` keeps among them (open it at "
+                "pytorch.org/memory_viz)")] if gpu and named else []),
+        *([_Fix("perfsdk.configure(memory=True, memory_snapshots=True)",
+                "every region then records its memory, so that the next run names the region "
+                "where it grows; an out-of-memory error writes an allocation snapshot with "
+                "the stack of every live block (open it at pytorch.org/memory_viz)")]
+          if gpu and not named else []),
+        _Fix("# keep numbers, not tensors that hold their autograd graph: "
+             "total_loss += loss.detach() (loss.item() to print it), not total_loss += loss"),
+        _Fix("# a list that grows every step keeps every tensor in it: append out.detach() "
+             "(.cpu() frees the GPU), or keep a bounded collections.deque(maxlen=100)"),
+        _Fix("# run evaluation and metrics under torch.no_grad(), so that they build no graph"),
+        _Fix("# a cache keyed by each batch (shapes, ids, strings) grows without bound: bound "
+             "it (functools.lru_cache(maxsize=128)) or clear it"),
+        _Fix("# memory that follows the data (longer sequences, bigger batches later in the run) "
+             "is not a leak")])
+
+
 def _is_compute(r: RegionResult) -> bool:
     return (_category(r) in _COMPUTE_CATEGORIES or r.name in _COMPUTE_NAMES
             or r.name.rsplit(".", 1)[-1] in _COMPUTE_NAMES)
@@ -539,5 +792,5 @@ def compute_rule(run: Run, found: Sequence[Finding]) -> Finding | None:
                     covers=("amp", "compile", "channels_last"))
 
 
-RULES = (data_rule, sync_rule, launch_rule, memory_rule)
+RULES = (data_rule, sync_rule, launch_rule, memory_rule, creep_rule)
 """The rules that stand alone, in the seeds' order; ``compute_rule`` runs after them."""

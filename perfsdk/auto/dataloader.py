@@ -14,7 +14,8 @@ from typing import Any, Generic, TypeVar
 import wrapt
 
 from perfsdk.config import state as _state
-from perfsdk.region import RegionSpec
+from perfsdk.context import current_span
+from perfsdk.region import Region, RegionSpec
 
 __all__ = ["DataWaitIterator", "InstrumentedLoader", "instrument_dataloader"]
 
@@ -27,7 +28,9 @@ def _data_spec() -> RegionSpec:
 
 
 class DataWaitIterator(Generic[T]):
-    """Each ``next()`` inside a ``data_wait`` region with ``perfsdk.batch``."""
+    """Each ``next()`` inside a ``data_wait`` region with ``perfsdk.batch``; a ``next()`` made
+    inside a ``data_wait`` region already open (a framework's integration, e.g. the Lightning
+    profiler, times the same wait) is passed through, so the wait is counted once."""
 
     __slots__ = ("_batch", "_inner", "_length")
 
@@ -41,12 +44,13 @@ class DataWaitIterator(Generic[T]):
 
     def __next__(self) -> T:
         batch = self._batch
-        if not _state.enabled or (self._length is not None and batch >= self._length):
+        current = current_span()
+        if (not _state.enabled or (self._length is not None and batch >= self._length)
+                or (isinstance(current, Region) and current.name == "data_wait")):
             item = next(self._inner)  # the wait for the end is not a batch's
             self._batch = batch + 1
             return item
-        region = _data_spec().open()
-        region.set_attribute("perfsdk.batch", batch)  # ignored by the null region
+        region = _data_spec().open({"perfsdk.batch": batch})  # unused by the null region
         try:
             item = next(self._inner)
         except StopIteration:

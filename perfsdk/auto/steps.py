@@ -21,14 +21,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
 import torch
 
 from perfsdk import config as _config
-from perfsdk.distributed import step_trace_id
+from perfsdk.distributed import run_id, step_trace_id
 from perfsdk.flops.peaks import peak_flops
+from perfsdk.memory import current_rss
 from perfsdk.region import Region, RegionSpec, now_ns
 
 __all__ = [
@@ -116,11 +118,16 @@ class StepListener(Protocol):
 
 _autocast_on = torch.is_autocast_enabled
 _autocast_dtype = torch.get_autocast_dtype
+_any_autocast: Callable[[], bool] | None = getattr(torch._C, "_is_any_autocast_enabled", None)
+"""One call without arguments (about 150 ns) that tells whether autocast is on for any device:
+``torch.is_autocast_enabled(device)`` parses its device string, about 400 ns a device."""
 
 
 def autocast_dtype() -> str | None:
     """The dtype ``torch.autocast`` is on with in this thread (``"bfloat16"``, ``"float16"``),
     CUDA's first, or None: what a region records as ``perfsdk.amp`` at its entry."""
+    if _any_autocast is not None and not _any_autocast():
+        return None  # the common case: one call
     for device in ("cuda", "cpu"):
         if _autocast_on(device):
             return str(_autocast_dtype(device)).removeprefix("torch.")
@@ -168,7 +175,7 @@ class Step:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.end(exc)
+        self._steps._end(self, exc)  # end(exc), one call fewer: it runs every step
 
     def __repr__(self) -> str:
         return f"<Step {self.index} {self.phase}>"
@@ -219,22 +226,25 @@ class Steps:
         ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
         DataLoader batch, and stops once the script calls ``step()`` on its own: see
         :attr:`explicit`)."""
-        if samples is not None:
-            _count("step", "samples", samples, 1)
+        if samples is not None and (type(samples) is not int or samples < 1):
+            _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
         if flops is not None:
             _flops(flops)
         if not implicit:
             self.explicit = True
-        self.end()
+        current = self.current
+        if current is not None:
+            self._end(current, None)
         with self._lock:
             index = self.next_index
-            self.next_index += 1
+            self.next_index = index + 1
         sched = self.schedule
         phase = "active" if sched is None else sched.phase(index)
         step = Step(self, index, samples, phase, flops)
         self.current = step
-        for listener in list(self.listeners):
-            _notify(listener.on_step_start, index)
+        if self.listeners:
+            for listener in list(self.listeners):
+                _notify(listener.on_step_start, index)
         if phase != "active":
             self._pause(True)
         elif _state.enabled and not _is_compiling():
@@ -244,9 +254,10 @@ class Steps:
             amp = autocast_dtype()
             if amp is not None:  # the step runs under autocast (the advisor: "already on")
                 attrs["perfsdk.amp"] = amp
+            run = run_id()  # before the step's clock starts: the first call may ask the store
             region = _step_spec().open_handle(attrs)  # every=1: steps are not sampled
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
-                shared = step_trace_id(index)
+                shared = step_trace_id(index, run) if run else None
                 if shared is not None:
                     region.trace_id = shared
             step.region = region
@@ -273,11 +284,16 @@ class Steps:
                     region.set_attribute("perfsdk.samples_per_s", step.samples / seconds)
                 if flops is not None:
                     _set_flops(region, flops, seconds)
+            if _state.memory and region.t0:  # the advisor's leak rule: RSS at each step's end
+                rss = current_rss()
+                if rss is not None:
+                    region.set_attribute("perfsdk.memory.rss_bytes", rss)
             region.exit(error, t1)
         if self._paused:
             self._pause(False)
-        for listener in list(self.listeners):
-            _notify(listener.on_step_end, step.index)
+        if self.listeners:
+            for listener in list(self.listeners):
+                _notify(listener.on_step_end, step.index)
 
     def _pause(self, paused: bool) -> None:
         """Skipped steps record nothing: the disabled path every region entry already tests."""

@@ -7,7 +7,8 @@ While :class:`RunPatches` is installed:
 - ``Tensor.backward()`` runs inside a ``backward`` region,
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
-  region,
+  region, and a ``DistributedDataParallel`` model seen there gets
+  :func:`perfsdk.distributed.instrument_ddp` once (its gradient all-reduces become regions),
 - step :data:`FLOPS_STEP` (after warm-up) runs its forward and backward calls inside
   :class:`perfsdk.flops.ModelFlops` (torch's ``FlopCounterMode``, which observes without
   changing results): that step gets ``perfsdk.flops``, and every later step the same FLOPs per
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -52,6 +54,8 @@ from torch.utils._pytree import tree_leaves
 from perfsdk.auto.dataloader import DataWaitIterator
 from perfsdk.auto.steps import STEPS
 from perfsdk.context import current_span
+from perfsdk.distributed import instrument_ddp
+from perfsdk.errors import warn_once
 from perfsdk.flops import ModelFlops
 from perfsdk.instrumentor import FRAMEWORK_STEPS
 from perfsdk.region import Region
@@ -69,6 +73,8 @@ _lock = threading.Lock()
 _BACKWARD = timed_region("backward", category="compute")
 _OPTIMIZER = timed_region("optimizer", category="update")
 _FORWARD: dict[str, timed_region] = {}
+_DDP = torch.nn.parallel.DistributedDataParallel
+_seen_ddp: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class _StepFlops:
@@ -176,6 +182,9 @@ class _Batches:
 
 def _batch_size(batch: Any) -> int | None:
     """The first dimension of the batch's first tensor (through tuples, lists and dicts)."""
+    first = batch[0] if type(batch) in (tuple, list) and batch else batch
+    if isinstance(first, torch.Tensor) and first.dim():  # the common batches, without pytree
+        return int(first.shape[0]) or None
     leaves = tree_leaves(batch)
     first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim()), None)
     return None if first is None else int(first.shape[0]) or None
@@ -298,6 +307,8 @@ def _module_call(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() or _in_forward.get():
             return original(self, *args, **kwargs)
+        if isinstance(self, _DDP) and self not in _seen_ddp:
+            _instrument_ddp(self)
         token = _in_forward.set(True)
         try:
             with _forward_region(self):
@@ -305,3 +316,17 @@ def _module_call(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _in_forward.reset(token)
     return __call__
+
+
+def _instrument_ddp(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Record a DDP model's gradient all-reduces (once per model); a model whose own hook
+    perfsdk cannot wrap runs as it is, with one warning."""
+    with _lock:
+        if model in _seen_ddp:
+            return
+        _seen_ddp.add(model)
+    try:
+        instrument_ddp(model)
+    except Exception as exc:
+        warn_once("run-ddp", f"perfsdk run: the DDP model's gradient all-reduces are not "
+                  f"recorded: {exc}")

@@ -18,7 +18,7 @@ import runpy
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,7 +31,8 @@ from perfsdk.config import OTLP_ENDPOINT_VARS
 from perfsdk.export.summary import format_flops, format_mfu, render
 
 __all__ = ["check_output_dir", "default_exporters", "device_memory_bytes", "flops_line",
-           "output_files", "print_report", "render_report", "report", "run_script"]
+           "output_files", "print_report", "rank_directory", "render_report", "report",
+           "run_script"]
 
 
 def check_output_dir(directory: Path) -> str | None:
@@ -93,6 +94,24 @@ def _sync_guard(on: bool) -> contextlib.AbstractContextManager[Any]:
     return perfsdk.no_sync_guard("count", assume_device=not cuda_build)
 
 
+def rank_directory(directory: Path, env: Mapping[str, str] | None = None) -> Path:
+    """Where this process saves its run: ``directory`` itself, or ``directory/rank<N>`` in a job
+    of several ranks (``WORLD_SIZE`` > 1 and ``RANK`` set, as ``torchrun`` does), so the ranks
+    sharing one ``--output-dir`` never write over each other's ``run.json``.
+
+    Example:
+        >>> rank_directory(Path("out"), {"RANK": "1", "WORLD_SIZE": "2"}).as_posix()
+        'out/rank1'
+        >>> rank_directory(Path("out"), {}).as_posix()
+        'out'
+    """
+    env = os.environ if env is None else env
+    rank, world = env.get("RANK", "").strip(), env.get("WORLD_SIZE", "").strip()
+    if rank.isdigit() and world.isdigit() and int(world) > 1:
+        return directory / f"rank{int(rank)}"
+    return directory
+
+
 def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out: TextIO,
                err: TextIO, syncs: bool = False) -> int:
     """Run ``script`` instrumented; returns its exit code (2 when it could not be started).
@@ -101,7 +120,7 @@ def run_script(script: str, args: Sequence[str], *, output_dir: str | None, out:
     if not path.is_file():
         err.write(f"perfsdk run: {script}: no such file\n")
         return 2
-    directory = Path(output_dir or perfsdk.get_config().output_dir)
+    directory = rank_directory(Path(output_dir or perfsdk.get_config().output_dir))
     problem = check_output_dir(directory)
     if problem is not None:
         err.write(f"perfsdk run: --output-dir {directory}: cannot write there ({problem})\n")

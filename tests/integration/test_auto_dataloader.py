@@ -126,6 +126,24 @@ def test_waits_inside_plain_call_steps_nest_under_them():
     assert [w.parent_span_id for w in waits] == [s.span_id for s in steps]
 
 
+def test_a_wait_inside_an_open_data_wait_region_is_counted_once():
+    """A framework's integration (the Lightning profiler) may time the same wait: the loader's
+    own region steps aside inside a ``data_wait`` that is already open, and only there."""
+    wrapped = auto.instrument_dataloader(DataLoader(SlowDataset(), batch_size=4))
+    with capture() as cap:
+        it = iter(wrapped)
+        with perfsdk.timed_region("data_wait"):
+            next(it)
+        with perfsdk.timed_region("other"):
+            next(it)
+    waits = cap.named("data_wait")
+    assert len(waits) == 2
+    outer, inner = sorted(waits, key=lambda w: "perfsdk.batch" in w.attributes)
+    assert "perfsdk.batch" not in outer.attributes  # the framework's, not the loader's
+    assert inner.parent_span_id == cap.named("other")[0].span_id
+    assert inner.attributes["perfsdk.batch"] == 1
+
+
 def test_iterable_without_len_and_disabled():
     wrapped = auto.instrument_dataloader(DataLoader(Stream(), batch_size=2))
     with pytest.raises(TypeError):

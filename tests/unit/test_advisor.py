@@ -368,6 +368,205 @@ def test_no_memory_records_says_so(clock):
                for n in advice.notes)
 
 
+# -- memory creep -----------------------------------------------------------------------------
+def _gpu_steps(fake_cuda, clock, steps, body, *, steps_api=None):
+    """``steps`` steps of 1 ms on the fake GPU and the fake clock, memory on for every region:
+    a forward that allocates 256 MiB of activations and a backward that frees them, then
+    ``body(i)``."""
+    perfsdk.configure(memory=True)
+    step = perfsdk.step if steps_api is None else steps_api.step
+    with capture() as cap:
+        fake_cuda.alloc(512 * MiB)  # the model and its optimizer state
+        for i in range(steps):
+            with step():
+                with timed_region("model"):
+                    fake_cuda.alloc(256 * MiB)
+                with timed_region("grad"):
+                    fake_cuda.free(256 * MiB)
+                body(i)
+                fake_cuda.launch(1.0)  # the GPU busy as long as the host: no launch overhead
+                clock.advance(1)
+                fake_cuda.advance(1.0)
+            fake_cuda.complete_all()
+    return cap.regions
+
+
+def creep(advice: Advice) -> Finding:
+    return finding(advice, "memory_creep")
+
+
+def test_trend_slope_is_robust_and_parts_show_a_jump():
+    from perfsdk.advisor.trend import MAX_POINTS, segment_medians, theil_sen
+
+    xs = list(range(30))
+    ys = [100 + 3 * x for x in xs]
+    assert theil_sen(xs, ys) == 3.0
+    ys[5], ys[17], ys[23] = 10_000, -500, 7  # outliers leave the slope exact
+    assert theil_sen(xs, ys) == 3.0
+    long = list(range(10 * MAX_POINTS))
+    assert theil_sen(long, [2 * x for x in long]) == 2.0  # evenly spaced subset
+    assert theil_sen([1, 1], [0, 5]) == 0.0  # no pair with different x
+    assert segment_medians([1, 1, 1, 1, 1, 9, 9, 9, 9, 9], 4) == [1.0, 1.0, 9.0, 9.0]
+    assert segment_medians(list(range(8)), 4) == [0.5, 2.5, 4.5, 6.5]
+    with pytest.raises(ValueError, match="xs and ys"):
+        theil_sen([1, 2], [1])
+    with pytest.raises(ValueError, match="3 values cannot make 4 parts"):
+        segment_medians([1, 2, 3], 4)
+    import doctest
+
+    from perfsdk.advisor import trend
+
+    assert doctest.testmod(trend).failed == 0  # its examples, as printed
+
+
+def test_a_leak_in_a_region_is_named_with_its_slope(fake_cuda, clock):
+    def keep(i):
+        with timed_region("metrics"):
+            fake_cuda.alloc(8 * MiB)
+
+    advice = advise(_gpu_steps(fake_cuda, clock, 25, keep))
+    found = creep(advice)
+    assert kinds(advice) == ["memory_creep"]
+    assert found.data["slope_bytes_per_step"] == 8 * MiB
+    assert found.data["region"] == "metrics"  # not `model`: its 256 MiB are freed by `grad`
+    assert found.fix == "perfsdk.configure(memory_snapshots=True)"
+    assert found.impact == advisor.MEMORY_WEIGHT
+    assert found.severity == "medium"
+    line = next(x for x in str(advice).splitlines() if x.startswith("1. "))
+    assert line == "1. Memory creep: GPU memory grows every step  [medium]"  # no time share
+    assert json.loads(json.dumps(advice.as_dicts()))[0]["data"]["region"] == "metrics"
+
+
+def test_the_deepest_region_that_accounts_for_the_growth_is_named(fake_cuda, clock):
+    def keep(i):
+        with timed_region("evaluate"), timed_region("cache"):
+            fake_cuda.alloc(4 * MiB)
+
+    found = creep(advise(_gpu_steps(fake_cuda, clock, 25, keep)))
+    assert (found.data["region"], found.data["region_slope_bytes_per_step"]) == \
+        ("cache", 4 * MiB)
+
+
+def test_a_leak_outside_any_region_names_the_step(fake_cuda, clock):
+    advice = advise(_gpu_steps(fake_cuda, clock, 25, lambda i: fake_cuda.alloc(8 * MiB)))
+    found = creep(advice)
+    assert (found.data["region"], found.data["region_slope_bytes_per_step"]) == ("step", None)
+    assert "grows in `step` itself (no region inside it" in found.evidence
+    assert found.fix == "perfsdk.configure(memory=True, memory_snapshots=True)"
+
+
+def test_a_leak_between_the_steps_is_placed_there(fake_cuda, clock):
+    perfsdk.configure(memory=True)
+    with capture() as cap:
+        for _ in range(25):
+            with perfsdk.step():
+                fake_cuda.alloc(64 * MiB)
+                fake_cuda.free(64 * MiB)
+                clock.advance(1)
+            fake_cuda.alloc(8 * MiB)  # between the steps: a list of batches on the GPU
+    found = creep(advise(cap.regions))
+    assert found.data["slope_bytes_per_step"] == 8 * MiB
+    assert found.data["region"] is None
+    assert found.data["region_slope_bytes_per_step"] == 0
+    assert "grows between the steps, outside the step regions" in found.evidence
+
+
+def test_spikes_do_not_move_the_slope(fake_cuda, clock):
+    def body(i):
+        fake_cuda.alloc(8 * MiB)
+        if i % 7 == 3:  # a long batch now and then: a transient peak
+            fake_cuda.alloc(300 * MiB)
+            fake_cuda.free(300 * MiB)
+
+    found = creep(advise(_gpu_steps(fake_cuda, clock, 40, body)))
+    assert found.data["slope_bytes_per_step"] == 8 * MiB
+
+
+def test_steps_on_a_schedule_count_every_step(fake_cuda, clock):
+    from perfsdk.auto import Steps, schedule
+
+    steps = Steps(schedule(wait=1, warmup=0, active=1))  # every other step recorded
+    found = creep(advise(_gpu_steps(fake_cuda, clock, 60, lambda i: fake_cuda.alloc(8 * MiB),
+                                    steps_api=steps)))
+    assert found.data["slope_bytes_per_step"] == 8 * MiB  # per step, recorded or not
+    assert (found.data["first_step"], found.data["last_step"], found.data["steps"]) == (3, 59, 29)
+
+
+def test_the_device_fills_in_a_number_of_steps(fake_cuda, clock):
+    regions = _gpu_steps(fake_cuda, clock, 25, lambda i: fake_cuda.alloc(8 * MiB))
+    found = creep(advise(regions, device_memory_bytes=2048 * MiB))
+    end = 512 * MiB + 24 * 8 * MiB + 256 * MiB  # step 24's peak, in the model region
+    assert found.data["end_bytes"] == end
+    assert found.data["steps_to_capacity"] == (2048 * MiB - end) // (8 * MiB)
+    assert f"the device's 2,048 MiB are full in ~{(2048 * MiB - end) // (8 * MiB)} steps" \
+        in found.evidence
+
+
+@pytest.mark.parametrize(("what", "body"), [
+    ("flat", lambda fake, i: None),
+    ("one jump", lambda fake, i: fake.alloc(2048 * MiB) if i == 15 else None),
+    ("two jumps", lambda fake, i: fake.alloc(512 * MiB) if i in (8, 20) else None),
+    ("a jump and drift", lambda fake, i: fake.alloc(2048 * MiB if i == 15 else 1024)),
+    ("a small leak", lambda fake, i: fake.alloc(1 * MiB)),  # 24 MiB in 24 steps
+])
+def test_no_creep_without_steady_material_growth(fake_cuda, what, body, clock):
+    advice = advise(_gpu_steps(fake_cuda, clock, 25, lambda i: body(fake_cuda, i)))
+    assert "memory_creep" not in kinds(advice), what
+    assert not any(n.startswith("memory creep") for n in advice.notes)
+
+
+@pytest.mark.parametrize(("in_use", "found"), [(0, True), (20 * 1024 * MiB, False)])
+def test_growth_small_against_the_memory_in_use_is_no_finding(fake_cuda, in_use, found, clock):
+    fake_cuda.alloc(in_use)  # 20 GiB in use: 48 MiB more in 24 steps is under 5%
+    advice = advise(_gpu_steps(fake_cuda, clock, 25, lambda i: fake_cuda.alloc(2 * MiB)))
+    assert ("memory_creep" in kinds(advice)) is found
+
+
+def test_too_few_steps_or_no_memory_says_so(fake_cuda, clock):
+    advice = advise(_gpu_steps(fake_cuda, clock, 12, lambda i: fake_cuda.alloc(64 * MiB)))
+    assert "memory_creep" not in kinds(advice)
+    assert (f"memory creep not checked: 11 steps with memory readings after warm-up, "
+            f"{advisor.CREEP_MIN_STEPS} needed") in advice.notes
+    perfsdk.configure(memory=False)
+    assert ("memory creep not checked: the steps record no memory (perfsdk.configure("
+            "memory=True) or PERFSDK_MEMORY=1)") in advise(loop(clock, 25)).notes
+    assert not any("creep" in n for n in advise([record("work", 1.0)]).notes)  # no steps
+
+
+def _host_steps(key: str, level) -> list[RegionResult]:
+    """Steps recorded on a CPU: one host-memory reading each."""
+    regions = []
+    for i in range(30):
+        step = record("step", 10.0, category="step", start_ms=10 * i, **{"perfsdk.step": i})
+        regions.append(dataclasses.replace(step, memory={
+            "perfsdk.memory.rss_delta_bytes": 0, "perfsdk.memory.rss_peak_bytes": level(i)}))
+        if key == "perfsdk.memory.rss_bytes":
+            regions[-1] = dataclasses.replace(regions[-1], attributes=MappingProxyType(
+                {**step.attributes, key: level(i)}))
+    return regions
+
+
+def test_the_rss_at_each_steps_end_shows_a_host_leak():
+    found = creep(advise(_host_steps("perfsdk.memory.rss_bytes",
+                                     lambda i: 900 * MiB + i * 5 * MiB)))
+    assert found.data["source"] == "rss"
+    assert found.data["slope_bytes_per_step"] == 5 * MiB
+    assert found.data["region"] == "step"
+    assert found.title == "Memory creep: the process memory grows every step"
+    assert found.fix.startswith("# keep numbers, not tensors that hold their autograd graph")
+    assert all(line.startswith("#") for line in found.details)
+    assert "nothing new to apply" not in str(found)
+
+
+def test_the_peak_rss_is_read_when_the_steps_have_no_current_rss():
+    grows = creep(advise(_host_steps("", lambda i: 900 * MiB + i * 5 * MiB)))
+    assert grows.data["source"] == "rss_peak"
+    assert "the peak shows growth only past the earlier high-water mark" in grows.evidence
+    flat = advise(_host_steps("", lambda i: 900 * MiB))
+    assert "memory_creep" not in kinds(flat)
+    assert any(n.startswith("memory creep on the CPU read from the peak RSS") for n in flat.notes)
+
+
 # -- compute ----------------------------------------------------------------------------------
 def test_forward_dominating_is_compute_bound(clock):
     advice = advise(loop(clock, 5, compute_ms=50))
@@ -549,6 +748,19 @@ def _all_fixes() -> list[Advice]:
         return [dataclasses.replace(r, memory={"perfsdk.memory.peak_bytes": 990 * MiB})
                 for r in compute(state)]
 
+    def creep(state: dict[str, object], key: str, inside: bool = False) -> list[RegionResult]:
+        out = []
+        for i in range(25):
+            step = dataclasses.replace(
+                record("step", 10.0, category="step", start_ms=10 * i, **state),
+                memory={key: (100 + 8 * i) * MiB, "perfsdk.memory.allocated_delta_bytes": 8 * MiB})
+            out.append(step)
+            if inside:  # the region that keeps the 8 MiB
+                out.append(dataclasses.replace(
+                    record("metrics", 1.0, parent=step.span_id, start_ms=10 * i),
+                    memory={"perfsdk.memory.allocated_delta_bytes": 8 * MiB}))
+        return out
+
     states: list[dict[str, object]] = [
         {}, {"perfsdk.amp": "bfloat16"}, {"perfsdk.transforms": ("compile",)},
         {"perfsdk.transforms": ("checkpointing", "cuda_graphs")},
@@ -556,7 +768,10 @@ def _all_fixes() -> list[Advice]:
     advices = []
     for state in states:
         advices += [advise(run(state), device_memory_bytes=1000 * MiB),
-                    advise(compute(state)), advise(memory(state), device_memory_bytes=1000 * MiB)]
+                    advise(compute(state)), advise(memory(state), device_memory_bytes=1000 * MiB),
+                    advise(creep(state, "perfsdk.memory.peak_bytes")),
+                    advise(creep(state, "perfsdk.memory.peak_bytes", inside=True)),
+                    advise(creep(state, "perfsdk.memory.rss_peak_bytes"))]
     assert {f.kind for a in advices for f in a} == set(advisor.KINDS)
     return advices
 
@@ -654,6 +869,8 @@ def test_every_printed_fix_runs_as_printed(monkeypatch):
     assert printed == {line for f in findings for line in (f.fix, *f.details)
                        if not line.startswith("#")}  # the text prints every one, unwrapped
     assert len(printed) >= 10
+    assert {"perfsdk.configure(memory_snapshots=True)",  # memory creep, with and without a
+            "perfsdk.configure(memory=True, memory_snapshots=True)"} <= printed  # region named
     assert run_printed(blocks) >= len(printed)
 
 

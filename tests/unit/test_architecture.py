@@ -25,13 +25,13 @@ LAYERS: dict[str, int] = {
     "perfsdk._version": 0, "perfsdk.errors": 0, "perfsdk.config": 0, "perfsdk.context": 0,
     "perfsdk.clocks": 0, "perfsdk._device": 0, "perfsdk.markers": 0, "perfsdk.memory": 0,
     "perfsdk._fastpath": 0,
-    "perfsdk.nvml": 0, "perfsdk.distributed": 0, "perfsdk._progress": 0,
+    "perfsdk.nvml": 0, "perfsdk._progress": 0,
     "perfsdk.sync.report": 0, "perfsdk.sync.ops": 0, "perfsdk.testing.fake_cuda": 0,
     "perfsdk.testing.fake_nvml": 0, "perfsdk.testing.fake_tensor": 0,
     "perfsdk.testing.models": 0,
     # 1 engine: records, the pipeline, regions and their shells, GPU telemetry
     "perfsdk.record": 1, "perfsdk.pipeline": 1, "perfsdk.region": 1, "perfsdk.decorator": 1,
-    "perfsdk.timing": 1, "perfsdk.gpu": 1,
+    "perfsdk.timing": 1, "perfsdk.gpu": 1, "perfsdk.distributed": 1,
     # 2 sinks
     "perfsdk.export": 2,
     # 3 capabilities built on regions

@@ -258,3 +258,22 @@ def test_torch_profile_defaults_to_the_configured_output_dir(tmp_path):
     assert rng.path.exists()
     with pytest.raises(ValueError, match="output_dir="):
         auto.torch_profile(5, output_dir=3)  # type: ignore[arg-type]
+
+
+def test_steps_record_the_rss_at_their_end_while_memory_is_on() -> None:
+    """The advisor's leak rule needs a reading that falls as well as grows: the current RSS."""
+    from perfsdk.memory import current_rss
+
+    if current_rss() is None:
+        pytest.skip("no /proc/self/statm here")
+    with capture() as cap:
+        with perfsdk.step():
+            keep = torch.ones(1 << 20)  # 4 MiB touched inside the step
+        perfsdk.configure(memory=True)
+        with perfsdk.step():
+            keep += 1
+    off, on = cap.named("step")
+    assert "perfsdk.memory.rss_bytes" not in off.attributes
+    rss = on.attributes["perfsdk.memory.rss_bytes"]
+    assert isinstance(rss, int)
+    assert rss >= keep.numel() * 4  # the tensor is resident

@@ -231,6 +231,8 @@ def test_routine_rounds_rest_between_chunks_and_waited_for_rounds_do_not(
     through."""
     rests: list[float] = []
     monkeypatch.setattr(_pipeline, "_rest", rests.append)
+    ticks = iter(range(1_000_000))  # each chunk takes HOLD_S: the chunks keep their size
+    monkeypatch.setattr(_pipeline, "_clock", lambda: next(ticks) * _pipeline.HOLD_S)
     spec = RegionSpec.create("paced")
     pipe = Pipeline()
     seen = Recorder()
@@ -245,3 +247,38 @@ def test_routine_rounds_rest_between_chunks_and_waited_for_rounds_do_not(
     assert pipe.drain(wait=True) == n
     assert len(rests) == 3  # no rest when someone waits
     assert len(seen.records) == 2 * n
+
+
+def test_routine_rounds_size_their_chunks_by_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sinks that take long per record get smaller chunks, so the pipeline thread holds the
+    GIL about HOLD_S between rests whatever the sinks cost; the size moves halfway at a time
+    and stays within MIN_CHUNK and MAX_CHUNK."""
+    now = [0.0]
+    monkeypatch.setattr(_pipeline, "_clock", lambda: now[0])
+    monkeypatch.setattr(_pipeline, "_rest", lambda seconds: None)
+    sizes: list[int] = []
+    per_record = [_pipeline.HOLD_S / 16]  # 16 records fill a hold
+
+    class Slow(Recorder):
+        def consume(self, records: list[Any]) -> None:
+            super().consume(records)
+            sizes.append(len(records))
+            now[0] += len(records) * per_record[0]
+
+    spec = RegionSpec.create("timed-chunks")
+    pipe = Pipeline()
+    pipe.sinks.append(Slow())
+    for i in range(1000):
+        pipe.submit(record(spec, i, i + 1))
+    assert pipe.drain(wait=False, pace=True) == 1000
+    assert sizes[:8] == [_pipeline.CHUNK, 40, 28, 22, 19, 18, 17, 16]
+    assert set(sizes[8:-1]) == {16}
+    assert sum(sizes) == 1000
+    per_record[0] = _pipeline.HOLD_S / 10_000  # cheap sinks: as large as allowed
+    sizes.clear()
+    for i in range(5000):
+        pipe.submit(record(spec, i, i + 1))
+    assert pipe.drain(wait=False, pace=True) == 5000
+    assert max(sizes) == _pipeline.MAX_CHUNK
+    assert _pipeline.chunk_for(_pipeline.MIN_CHUNK, 1.0) == _pipeline.MIN_CHUNK
+    assert _pipeline.chunk_for(100, 0.0) == 200

@@ -92,3 +92,91 @@ def test_every_counts_per_function_and_sample_every_per_block():
 def test_every_is_validated_on_the_spec():
     with pytest.raises(ValueError, match=r"every=0; accepted values are None or an integer"):
         RegionSpec.create("gate.bad", every=0, where="gate")
+
+
+# -- the current context, read and set directly (perfsdk.context.CURRENT) -------------------
+def _slow_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The region as under a runtime context other than OpenTelemetry's ContextVar one
+    (OTEL_PYTHON_CONTEXT): through the context functions only."""
+    from perfsdk import context as ctx
+    from perfsdk import region
+
+    monkeypatch.setattr(region, "_SPAN_KEY", None)
+    monkeypatch.setattr(region, "_cur_get", None)
+    monkeypatch.setattr(region, "_cur_set", None)
+    monkeypatch.setattr(region, "_cur_reset", ctx.detach)
+
+
+@pytest.mark.parametrize("path", ["direct", "functions"])
+def test_a_region_is_the_current_span_and_nests(path: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    if path == "functions":
+        _slow_context(monkeypatch)
+    tracer = TracerProvider().get_tracer("user")  # a private provider: nothing global changes
+    outer_spec, inner_spec = RegionSpec.create("ctx.outer"), RegionSpec.create("ctx.inner")
+    before = trace.get_current_span()
+    with tracer.start_as_current_span("user.root") as root:
+        outer = outer_spec.open()
+        assert trace.get_current_span() is outer
+        inner = inner_spec.open()
+        assert trace.get_current_span() is inner
+        with tracer.start_as_current_span("user.leaf") as leaf:
+            assert leaf.parent is not None
+            assert leaf.parent.span_id == inner.span_id
+        inner.exit(None)
+        assert trace.get_current_span() is outer
+        outer.exit(None)
+        assert trace.get_current_span() is root
+    assert trace.get_current_span() is before
+    root_ctx = root.get_span_context()
+    assert outer.trace_id == inner.trace_id == root_ctx.trace_id
+    assert outer.parent_id == root_ctx.span_id
+    assert inner.parent_id == outer.span_id
+    assert len({root_ctx.span_id, outer.span_id, inner.span_id}) == 3
+
+
+def test_a_region_without_a_parent_starts_a_trace_of_its_own() -> None:
+    spec = RegionSpec.create("ctx.root")
+    first = spec.open()
+    first.exit(None)
+    second = spec.open()
+    second.exit(None)
+    assert first.parent_id == second.parent_id == 0
+    assert first.trace_id != second.trace_id
+    assert all((first.trace_id, first.span_id, second.trace_id, second.span_id))
+
+
+def test_exit_in_another_context_does_not_raise(caplog: pytest.LogCaptureFixture) -> None:
+    import contextvars
+
+    from opentelemetry import trace
+
+    spec = RegionSpec.create("ctx.elsewhere")
+    entered = contextvars.copy_context()
+    region = entered.run(spec.open)
+    contextvars.copy_context().run(region.exit, None)  # the token is not of that context
+    assert entered.run(trace.get_current_span) is region  # left as OpenTelemetry leaves it
+    assert "Failed to detach context" in caplog.text
+
+
+def test_a_thread_that_ended_is_noted_again_under_a_reused_ident() -> None:
+    import threading
+
+    from perfsdk import record
+
+    spec = RegionSpec.create("ctx.thread")
+    idents: list[int] = []
+
+    def body() -> None:
+        spec.open().exit(None)
+        idents.append(threading.get_ident())
+
+    for i in range(2):
+        thread = threading.Thread(target=body, name=f"noted-{i}")
+        thread.start()
+        thread.join()
+        assert idents[-1] not in record.NOTED  # the thread ended: its ident left the set
+        assert record.THREAD_NAMES[idents[-1]][0] == f"noted-{i}"

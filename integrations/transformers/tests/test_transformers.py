@@ -10,14 +10,17 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import ClassVar
 
 import pytest
 import torch
+import transformers
 from opentelemetry import trace
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
     Trainer,
+    TrainerCallback,
     TrainerControl,
     TrainerState,
     TrainingArguments,
@@ -30,6 +33,7 @@ from perfsdk.pipeline import PIPELINE
 from perfsdk.region import Region
 from perfsdk.testing import Capture, capture
 from perfsdk_transformers import PerfsdkCallback
+from perfsdk_transformers import callback as callback_module
 
 
 def _dataset(n: int) -> list[dict[str, torch.Tensor]]:
@@ -46,14 +50,16 @@ def _model() -> BertForSequenceClassification:
 
 
 def _trainer(tmp_path, *, n: int = 4, callbacks=None, model=None, eval_n: int = 0,
-             **overrides) -> Trainer:
+             optimizer=None, **overrides) -> Trainer:
     kwargs = {"output_dir": str(tmp_path), "max_steps": 4, "per_device_train_batch_size": 2,
               "report_to": [], "save_strategy": "no", "logging_strategy": "no",
               "use_cpu": True, "disable_tqdm": True, "dataloader_num_workers": 0, "seed": 0}
     kwargs.update(overrides)
-    return Trainer(model=model or _model(), args=TrainingArguments(**kwargs),
+    model = model or _model()
+    optimizers = (None, None) if optimizer is None else (optimizer(model), None)
+    return Trainer(model=model, args=TrainingArguments(**kwargs),
                    train_dataset=_dataset(n), eval_dataset=_dataset(eval_n) if eval_n else None,
-                   callbacks=callbacks)
+                   callbacks=callbacks, optimizers=optimizers)
 
 
 def _counts(cap: Capture) -> dict[str, int]:
@@ -124,6 +130,92 @@ def test_gradient_accumulation(tmp_path):
         assert micro[1].end_ns <= opt.start_ns
         assert _inside(opt, step)
     assert all(spans[r.parent_span_id].name == "epoch" for r in cap.named("step"))
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that notes the region current while its ``step()`` runs."""
+
+    seen: ClassVar[list[str]] = []
+
+    def step(self, closure=None):
+        _RecordingSGD.seen.append(getattr(trace.get_current_span(), "name", "none"))
+        return super().step(closure)
+
+
+def _recording_sgd(model):
+    # A plain SGD made first: torch wraps each class's step() with the step hooks once an
+    # instance of it is made, so _RecordingSGD's super().step() fires them a second time,
+    # inside the first (the callback's optimizer region is the outermost call alone).
+    torch.optim.SGD(model.parameters(), lr=0.01)
+    _RecordingSGD.seen = []
+    return _RecordingSGD(model.parameters(), lr=0.01)
+
+
+def _without_optimizer_events(monkeypatch) -> None:
+    """Make the callback see an older transformers' TrainerCallback, one without
+    on_pre_optimizer_step / on_optimizer_step (transformers < 4.45)."""
+    older = type("TrainerCallback", (), {k: v for k, v in vars(TrainerCallback).items()
+                                         if k not in callback_module.OPTIMIZER_EVENTS})
+    monkeypatch.setattr(callback_module, "TrainerCallback", older)
+    assert not callback_module.has_optimizer_events()
+
+
+@pytest.mark.parametrize("events", [True, False], ids=["events", "step-hooks"])
+def test_optimizer_region_bounds_optimizer_step_once_per_update(tmp_path, monkeypatch, events):
+    """With gradient accumulation, one optimizer region per update (not per micro-batch), and
+    optimizer.step() runs inside it: through the Trainer's events where transformers has them,
+    through torch's optimizer step hooks where it does not."""
+    if events and not callback_module.has_optimizer_events():
+        pytest.skip(f"transformers {transformers.__version__} has no on_pre_optimizer_step")
+    if not events:
+        _without_optimizer_events(monkeypatch)
+    callback = PerfsdkCallback()
+    trainer = _trainer(tmp_path, n=8, callbacks=[callback], gradient_accumulation_steps=2,
+                       optimizer=_recording_sgd)
+    with capture() as cap:
+        trainer.train()
+    assert trainer.state.global_step == 4
+    assert _RecordingSGD.seen == ["optimizer"] * 4  # each update inside its region
+    assert _counts(cap) == {"epoch": 2, "microbatch": 8, "optimizer": 4, "step": 4}
+    spans = _by_span(cap)
+    for opt in cap.named("optimizer"):
+        step = spans[opt.parent_span_id]
+        assert step.name == "step"
+        assert _inside(opt, step)
+        micro = [r for r in cap.named("microbatch") if r.parent_span_id == step.span_id]
+        assert len(micro) == 2
+        assert all(m.end_ns <= opt.start_ns for m in micro)
+    assert not any(r.attributes.get("perfsdk.unfinished") for r in cap.regions)
+    assert not isinstance(trace.get_current_span(), Region)
+    sgd = trainer.optimizer.optimizer  # accelerate's wrapper, then the SGD
+    assert not sgd._optimizer_step_pre_hooks
+    assert not sgd._optimizer_step_post_hooks
+
+
+def test_without_optimizer_events_or_an_optimizer(tmp_path, monkeypatch):
+    """No events, and no optimizer handed to the callbacks (a Trainer subclass that keeps it
+    to itself): the step's last micro-batch holds the update and ends at on_step_end."""
+    _without_optimizer_events(monkeypatch)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    callback = PerfsdkCallback(report=False)
+    with capture() as cap:
+        callback.on_train_begin(args, state, control, optimizer=None)
+        callback.on_epoch_begin(args, state, control)
+        for _ in range(2):
+            callback.on_step_begin(args, state, control)
+            callback.on_substep_end(args, state, control)
+            callback.on_pre_optimizer_step(args, state, control)  # not sent: ignored
+            callback.on_optimizer_step(args, state, control)
+            callback.on_step_end(args, state, control)
+        callback.on_epoch_end(args, state, control)
+        callback.on_train_end(args, state, control)
+    assert _counts(cap) == {"epoch": 1, "microbatch": 4, "step": 2}
+    spans = _by_span(cap)
+    assert all(spans[r.parent_span_id].name == "step" for r in cap.named("microbatch"))
+    assert not any(r.attributes.get("perfsdk.unfinished") for r in cap.regions)
+    assert not isinstance(trace.get_current_span(), Region)
 
 
 def test_validation(tmp_path):
@@ -253,9 +345,10 @@ def test_import_without_transformers():
     assert out.stdout.strip() == "ok"
 
 
-def test_next_step_closes_stale_regions(tmp_path):
+def test_next_step_closes_stale_regions(tmp_path, monkeypatch):
     """A Trainer subclass that skips events (here: no on_optimizer_step / on_step_end) must not
     leave regions open: the next on_step_begin closes them, marked unfinished."""
+    monkeypatch.setattr(callback_module, "has_optimizer_events", lambda: True)  # they are sent
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3,
                              gradient_accumulation_steps=2, report_to=[], use_cpu=True)
     state, control = TrainerState(), TrainerControl()

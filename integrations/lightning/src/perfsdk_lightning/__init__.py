@@ -1,12 +1,16 @@
-"""perfsdk regions for Lightning training: one Callback, or :func:`instrument` for every Trainer.
+"""perfsdk regions for Lightning training: a Callback, a Profiler, or :func:`instrument` for
+every Trainer.
 
 :class:`PerfsdkCallback` (in :mod:`perfsdk_lightning.callback`) maps Lightning's hooks onto
 perfsdk's regions: ``step``, inside it ``forward``, ``backward`` and ``optimizer``;
 ``validation``, ``sanity_check`` and ``epoch``; and prints the summary and the advice when ``fit``
-ends. :class:`LightningInstrumentor` is the integration's :class:`perfsdk.instrumentor.Instrumentor`
-(found by :func:`perfsdk.instrument_all` through the ``perfsdk_integrations`` entry point): it
-gives every ``lightning.Trainer`` made while it is in effect a ``PerfsdkCallback``. Importing this
-package does not import Lightning.
+ends. :class:`PerfsdkProfiler` (in :mod:`perfsdk_lightning.profiler`) is the same from Lightning's
+profiler slot, ``Trainer(profiler=PerfsdkProfiler())``, with a ``data_wait`` region per batch
+fetch; its ``summary()`` is what Lightning logs at the end. :class:`LightningInstrumentor` is the
+integration's :class:`perfsdk.instrumentor.Instrumentor` (found by :func:`perfsdk.instrument_all`
+through the ``perfsdk_integrations`` entry point): it gives every ``lightning.Trainer`` made
+while it is in effect a ``PerfsdkCallback`` (unless its profiler is a ``PerfsdkProfiler``).
+Importing this package does not import Lightning.
 
 Example:
     >>> import perfsdk_lightning
@@ -26,14 +30,16 @@ from perfsdk_lightning.version import __version__
 
 if TYPE_CHECKING:
     from perfsdk_lightning.callback import PerfsdkCallback
+    from perfsdk_lightning.profiler import PerfsdkProfiler
 
-__all__ = ("LightningInstrumentor", "PerfsdkCallback", "__version__", "instrument",
-           "uninstrument")
+__all__ = ("LightningInstrumentor", "PerfsdkCallback", "PerfsdkProfiler", "__version__",
+           "instrument", "uninstrument")
 
 
 class LightningInstrumentor(Instrumentor):
     """Every ``lightning.Trainer`` made while instrumented gets a ``PerfsdkCallback`` (one that
-    has its own keeps it). ``instrument()`` takes the callback's keyword arguments
+    has its own keeps it; one whose profiler is a ``PerfsdkProfiler`` gets none: the profiler
+    records the same regions). ``instrument()`` takes the callback's keyword arguments
     (``batch_size``, ``memory``, ``report``) and ignores others."""
 
     distribution = "perfsdk-lightning"
@@ -46,7 +52,10 @@ class LightningInstrumentor(Instrumentor):
 
         def add_callback(trainer: Any) -> None:
             from perfsdk_lightning.callback import PerfsdkCallback
+            from perfsdk_lightning.profiler import PerfsdkProfiler
 
+            if isinstance(getattr(trainer, "profiler", None), PerfsdkProfiler):
+                return  # the profiler records the regions: a callback would count them twice
             callbacks = trainer.callbacks
             if not any(isinstance(cb, PerfsdkCallback) for cb in callbacks):
                 callbacks.append(PerfsdkCallback(**options))
@@ -58,7 +67,8 @@ def instrument(*, batch_size: int | Callable[[Any], int] | None = None,
                memory: bool | None = None, report: bool = True) -> None:
     """Give every ``lightning.Trainer`` created from now on a :class:`PerfsdkCallback`.
 
-    A Trainer that already has one keeps its own. Idempotent: while instrumented, a second call
+    A Trainer that already has one keeps its own; one whose profiler is a
+    :class:`PerfsdkProfiler` gets none. Idempotent: while instrumented, a second call
     changes nothing. The arguments are :class:`PerfsdkCallback`'s.
 
     Raises:
@@ -83,4 +93,8 @@ def __getattr__(name: str) -> Any:
         from perfsdk_lightning.callback import PerfsdkCallback
 
         return PerfsdkCallback
+    if name == "PerfsdkProfiler":
+        from perfsdk_lightning.profiler import PerfsdkProfiler
+
+        return PerfsdkProfiler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ from perfsdk.errors import warn_once
 from perfsdk.instrumentor import FRAMEWORK_STEPS, RunReport
 from perfsdk_lightning.options import check_options
 
-__all__ = ("PerfsdkCallback",)
+__all__ = ("PerfsdkCallback", "report_title")
 
 _CATEGORIES = {"forward": "compute", "backward": "compute", "optimizer": "update",
                "validation": "eval", "sanity_check": "eval", "epoch": "epoch"}
@@ -74,6 +75,20 @@ def _failed(exc: Exception) -> None:
     """perfsdk's own failure: warn once, never into the training loop."""
     warn_once(f"perfsdk_lightning:{type(exc).__name__}",
               f"perfsdk_lightning: recording a region failed ({exc!r}); training goes on")
+
+
+def report_title(stage: str, optimizer_steps: int | None, regions: Sequence[RegionResult],
+                 seconds: float) -> str:
+    """The title of the report printed when a Lightning ``stage`` (``fit``) ends: its wall
+    time, the optimizer steps (None: not known) and the regions it recorded."""
+    counts = {name: len([r for r in regions if r.name == name])
+              for name in ("step", "validation", "sanity_check")}
+    runs = counts["validation"]
+    runs_text = f", {runs} validation run{'s' * (runs != 1)}" if runs else ""
+    sanity = " (and the sanity check)" if counts["sanity_check"] else ""
+    steps = "" if optimizer_steps is None else f"{optimizer_steps} optimizer steps, "
+    return (f"perfsdk: Lightning {stage} ended after {seconds:.2f} s: {steps}"
+            f"{counts['step']} batches recorded{runs_text}{sanity}")
 
 
 def _leading_dim(batch: Any) -> int | None:
@@ -164,16 +179,7 @@ class PerfsdkCallback(Callback):
 
     # -- the report at the end of fit -------------------------------------------------------
     def _print_report(self, trainer: pl.Trainer) -> None:
-        def title(regions: Sequence[RegionResult], seconds: float) -> str:
-            counts = {name: len([r for r in regions if r.name == name])
-                      for name in ("step", "validation", "sanity_check")}
-            runs = counts["validation"]
-            runs_text = f", {runs} validation run{'s' * (runs != 1)}" if runs else ""
-            sanity = " (and the sanity check)" if counts["sanity_check"] else ""
-            return (f"perfsdk: Lightning fit ended after {seconds:.2f} s: {trainer.global_step} "
-                    f"optimizer steps, {counts['step']} batches recorded{runs_text}{sanity}")
-
-        self._report.finish(title)
+        self._report.finish(functools.partial(report_title, "fit", trainer.global_step))
 
     # -- Lightning's hooks ------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

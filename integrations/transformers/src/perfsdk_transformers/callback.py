@@ -1,6 +1,6 @@
 """``PerfsdkCallback``: the Hugging Face Trainer's callback events mapped onto perfsdk regions.
 
-What each region times, in terms of ``transformers.Trainer``'s events (transformers >= 4.46):
+What each region times, in terms of ``transformers.Trainer``'s events (transformers >= 4.44):
 
 - ``epoch`` (category ``epoch``, attribute ``perfsdk.epoch``): ``on_epoch_begin`` to
   ``on_epoch_end``.
@@ -15,7 +15,13 @@ What each region times, in terms of ``transformers.Trainer``'s events (transform
   step also holds gradient clipping. The Trainer has no event between forward and backward, so
   they are not separate regions.
 - ``optimizer`` (category ``update``): ``on_pre_optimizer_step`` to ``on_optimizer_step``, i.e.
-  ``optimizer.step()`` alone (not the LR scheduler or ``zero_grad``).
+  ``optimizer.step()`` alone (not the LR scheduler or ``zero_grad``); one per optimizer update,
+  not per micro-batch. Where the installed transformers' ``TrainerCallback`` lacks those two
+  events (:func:`has_optimizer_events`; they came in transformers 4.45), the callback bounds the
+  same call with torch's optimizer step hooks instead (``register_step_pre_hook`` /
+  ``register_step_post_hook`` on the optimizer the Trainer hands its callbacks, from
+  ``on_train_begin`` to ``on_train_end``); without an optimizer there, the step's last
+  ``microbatch`` holds its optimizer update and ends at ``on_step_end``.
 - ``validation`` (category ``eval``, attribute ``perfsdk.batches`` at its end): an evaluation the
   Trainer runs during ``train()``. It opens at ``on_step_end`` / ``on_epoch_end`` when the
   Trainer's flow has set ``control.should_evaluate`` (or at ``on_train_begin`` with
@@ -43,6 +49,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import perfsdk
@@ -51,12 +58,21 @@ from perfsdk.auto import STEPS
 from perfsdk.errors import warn_once
 from perfsdk.instrumentor import FRAMEWORK_STEPS, RunReport
 
-__all__ = ["PerfsdkCallback"]
+__all__ = ["OPTIMIZER_EVENTS", "PerfsdkCallback", "has_optimizer_events"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _CATEGORIES = {"epoch": "epoch", "microbatch": "compute", "optimizer": "update",
                "validation": "eval"}
+
+OPTIMIZER_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")
+"""The ``TrainerCallback`` events around ``optimizer.step()`` (transformers 4.45 and later)."""
+
+
+def has_optimizer_events() -> bool:
+    """Whether the installed transformers' ``TrainerCallback`` has :data:`OPTIMIZER_EVENTS`:
+    then they bound the ``optimizer`` region, else torch's optimizer step hooks do."""
+    return all(hasattr(TrainerCallback, name) for name in OPTIMIZER_EVENTS)
 
 
 def _guarded(fn: F) -> F:
@@ -120,6 +136,9 @@ class PerfsdkCallback(TrainerCallback):
         self._microbatch = 0
         self._batches = 0
         self._report = RunReport()
+        self._optimizer_events = has_optimizer_events()
+        self._step_hooks: list[Any] = []  # torch's hook handles, without the events
+        self._optimizer_depth = 0  # optimizer.step() calls under way, as the hooks saw them
 
     # -- the open regions, innermost last --------------------------------------------------
     def _open(self, name: str, **attributes: Any) -> None:
@@ -150,8 +169,57 @@ class PerfsdkCallback(TrainerCallback):
         """Close every region still open, e.g. after ``trainer.train()`` raised (no report is
         printed for that run)."""
         FRAMEWORK_STEPS.end(self)
+        self._unhook_optimizer()
         self._unwind()
         self._report.stop()
+
+    # -- the optimizer region ----------------------------------------------------------------
+    def _optimizer_starts(self) -> None:
+        """``optimizer.step()`` is called: the step's last micro-batch ends, its update
+        begins (inside a step only). The hooks of a subclass's ``step()`` that calls its
+        base's fire again inside it: the outermost call alone is the region."""
+        self._optimizer_depth += 1
+        if self._optimizer_depth == 1 and any(entry.name == "step" for entry in self._stack):
+            self._close("microbatch")
+            self._open("optimizer")
+
+    def _optimizer_ends(self) -> None:
+        self._optimizer_depth = max(self._optimizer_depth - 1, 0)
+        if self._optimizer_depth == 0:
+            self._close("optimizer")
+
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        """Without the optimizer events: torch's step hooks on the optimizer the Trainer hands
+        its callbacks (the innermost one, under accelerate's wrapper) bound the region."""
+        self._unhook_optimizer()
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer and the like
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return  # none: the last micro-batch holds the update, to on_step_end
+
+        def before(opt: Any, args: Any, kwargs: Any) -> None:
+            self._in_hook(self._optimizer_starts)
+
+        def after(opt: Any, args: Any, kwargs: Any) -> None:
+            self._in_hook(self._optimizer_ends)
+
+        self._step_hooks = [optimizer.register_step_pre_hook(before),
+                            optimizer.register_step_post_hook(after)]
+
+    def _unhook_optimizer(self) -> None:
+        self._optimizer_depth = 0
+        hooks, self._step_hooks = self._step_hooks, []
+        for handle in hooks:
+            handle.remove()
+
+    @staticmethod
+    def _in_hook(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            warn_once(f"perfsdk-transformers:{type(exc).__name__}",
+                      f"perfsdk-transformers: an optimizer step hook failed ({exc!r}); "
+                      "training goes on without some regions")
 
     # -- the report at the end of training ---------------------------------------------------
     def _print_report(self, state: TrainerState) -> None:
@@ -171,6 +239,8 @@ class PerfsdkCallback(TrainerCallback):
         FRAMEWORK_STEPS.begin(self)  # the Trainer draws the steps: `perfsdk run` steps aside
         self._unwind()
         self._report.stop()  # a run that raised never reached on_train_end
+        if not self._optimizer_events:
+            self._hook_optimizer(kwargs.get("optimizer"))
         if self.report and state.is_world_process_zero and perfsdk.get_config().enabled:
             self._report.start()
         if getattr(args, "eval_on_start", False):
@@ -201,17 +271,21 @@ class PerfsdkCallback(TrainerCallback):
     @_guarded
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:
-        self._close("microbatch")
-        self._open("optimizer")
+        if self._optimizer_events:  # else torch's step hooks bound the region
+            self._close("microbatch")
+            self._open("optimizer")
 
     @_guarded
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                           control: TrainerControl, **kwargs: Any) -> None:
-        self._close("optimizer")
+        if self._optimizer_events:
+            self._close("optimizer")
 
     @_guarded
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
+        if not self._optimizer_events and self._stack and self._stack[-1].name == "microbatch":
+            self._close("microbatch")  # no optimizer hooks: it held the update, and ends here
         self._close("step")
         if control.should_evaluate:
             self._open_validation()
@@ -240,6 +314,7 @@ class PerfsdkCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
         FRAMEWORK_STEPS.end(self)
+        self._unhook_optimizer()
         self._unwind()
         self._print_report(state)
 
