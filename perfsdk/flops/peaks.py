@@ -191,17 +191,25 @@ def parse_peak(raw: str) -> float:
     return value
 
 
-def _override() -> float | None:
-    raw = os.environ.get(PERFSDK_PEAK_FLOPS)
-    if raw is None or not raw.strip():
-        return None
+@functools.lru_cache(maxsize=16)
+def _parsed(raw: str) -> tuple[float | None, str]:
     try:
-        return parse_peak(raw)
+        return parse_peak(raw), ""
     except ValueError as exc:
-        warn_once(f"env:{PERFSDK_PEAK_FLOPS}",
-                  f"perfsdk: ignoring {PERFSDK_PEAK_FLOPS}={raw!r}: {exc}. Using the device "
-                  "table (a GPU) or a measured peak (a CPU) instead.")
+        return None, str(exc)
+
+
+def _override() -> float | None:
+    """``PERFSDK_PEAK_FLOPS``, read at each call (a step's end asks: parsed once per value)."""
+    raw = os.environ.get(PERFSDK_PEAK_FLOPS)
+    if not raw:
         return None
+    value, problem = _parsed(raw)
+    if problem and raw.strip():
+        warn_once(f"env:{PERFSDK_PEAK_FLOPS}",
+                  f"perfsdk: ignoring {PERFSDK_PEAK_FLOPS}={raw!r}: {problem}. Using the device "
+                  "table (a GPU) or a measured peak (a CPU) instead.")
+    return value
 
 
 @functools.lru_cache(maxsize=64)
@@ -238,6 +246,10 @@ def _gpu_index(device: Any) -> int | None:
     return dev.index if dev.index is not None else int(_device.get_backend().current_device())
 
 
+_peak = functools.lru_cache(maxsize=256)(Peak)
+"""One Peak per answer: a step's end asks for the peak, and gets it without building one."""
+
+
 def find_peak(dtype: Any = None, device: Any = None) -> Peak | None:
     """The peak FLOP/s for ``dtype`` on ``device``, with its source; None for an unknown GPU.
 
@@ -249,13 +261,13 @@ def find_peak(dtype: Any = None, device: Any = None) -> Peak | None:
     if index is None:
         wanted = "fp32" if name in (None, "tf32") else name  # a CPU has no TF32
         if override is not None:
-            return Peak(override, wanted, "cpu", PERFSDK_PEAK_FLOPS)
-        return Peak(_cpu_peak(wanted), wanted, "cpu", "measured")
+            return _peak(override, wanted, "cpu", PERFSDK_PEAK_FLOPS)
+        return _peak(_cpu_peak(wanted), wanted, "cpu", "measured")
     device_name = str(_device.get_backend().get_device_name(index))
     spec = spec_for(device_name)
     wanted = name or ("bf16" if spec is None or spec.bf16 is not None else "fp16")
     if override is not None:
-        return Peak(override, wanted, device_name, PERFSDK_PEAK_FLOPS)
+        return _peak(override, wanted, device_name, PERFSDK_PEAK_FLOPS)
     value = None if spec is None else getattr(spec, wanted)
     if value is None and spec is not None and wanted == "tf32":
         value = spec.fp32  # no TF32 tensor cores: FP32 matmuls run at the FP32 peak
@@ -267,7 +279,7 @@ def find_peak(dtype: Any = None, device: Any = None) -> Peak | None:
                   f"{PERFSDK_PEAK_FLOPS} to its dense peak in FLOP/s (e.g. "
                   f"{PERFSDK_PEAK_FLOPS}=312e12)")
         return None
-    return Peak(value, wanted, device_name, spec.source)  # type: ignore[union-attr]
+    return _peak(value, wanted, device_name, spec.source)  # type: ignore[union-attr]
 
 
 def peak_flops(dtype: Any = None, device: Any = None) -> float | None:
@@ -301,6 +313,9 @@ def peak_flops(dtype: Any = None, device: Any = None) -> float | None:
 
 
 def _cpu_peak(dtype: str) -> float:
+    value = _cpu_peaks.get(dtype)
+    if value is not None:
+        return value
     with _lock:  # one measurement per dtype, also when threads ask at once
         value = _cpu_peaks.get(dtype)
         if value is None:
