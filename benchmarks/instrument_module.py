@@ -1,15 +1,34 @@
 #!/usr/bin/env python
-"""What ``perfsdk.auto.instrument_module`` costs on SimpleNet and a 4-layer Transformer encoder.
+"""What ``perfsdk.auto.instrument_module`` costs per module, against hand-written NVTX hooks.
 
 Usage::
 
-    python benchmarks/instrument_module.py                  # full run (about a minute)
+    python benchmarks/instrument_module.py                  # full run (about two minutes)
     python benchmarks/instrument_module.py --quick          # a few calls, for a smoke test
     python benchmarks/instrument_module.py --output x.json  # default: benchmarks/results/
+    python benchmarks/instrument_module.py --only per_module --rounds 40   # the targets only
 
-Workloads on the CPU, each timed with ``perfsdk.bench.compare`` (all variants in this one
-process, interleaved round by round on the same inputs; each variant a deep copy of the same
-model, so weights are equal):
+The script builds the NVTX recording injection library (``tests/nvtx_injection/recorder.c``)
+and re-executes itself with ``NVTX_INJECTION64_PATH`` pointing at it, as
+``benchmarks/overhead.py`` does, so every NVTX push and pop (perfsdk's and the hand-written
+hooks') goes through a tool's callbacks, as under Nsight Systems.
+
+``per_module`` (the targets of issue 16): a model of 24 x (``Linear(64, 64)``, ``ReLU``), batch
+8, one torch thread, 49 modules with the ``Sequential``; one training step is ``zero_grad``,
+forward, ``.sum().backward()`` and ``SGD.step()``. Variants, each its own copy of the model:
+``bare``; ``nvtx_hooks_fwd``: a forward pre-hook and a forward hook on every module doing an
+NVTX domain push and pop with attributes built once (what one would write by hand);
+``nvtx_hooks_fwd_bwd``: the same plus ``register_full_backward_pre_hook`` / ``_hook`` push and
+pop; ``instrumented_fwd``: ``instrument_module(backward=False)``; ``instrumented``:
+``instrument_module()``. Each round runs every variant once (the order rotating), a block of
+``--steps`` steps then ``perfsdk.flush()``, both inside the timing, so the regions' background
+work counts. Per round, a variant's added cost per module is (its step time - the bare step's
+time in the same round) / 49; the table gives the median and the interquartile range (p25-p75)
+across rounds, and the targets' ratios likewise, computed per round.
+
+The other workloads run on the CPU, each timed with ``perfsdk.bench.compare`` (all variants in
+this one process, interleaved round by round on the same inputs; each variant a deep copy of
+the same model, so weights are equal):
 
 - ``simplenet_infer``: SimpleNet (32x32 images, batch 4), eval, no_grad. Variants ``bare`` and
   ``instrumented`` (a region per module).
@@ -22,8 +41,9 @@ model, so weights are equal):
 
 Each encoder variant's calls to ``aten::_transformer_encoder_layer_fwd`` (the fused fast path)
 are counted once with torch.profiler, so the JSON says which variants kept it. Regions go to
-perfsdk's in-process summary only (``PERFSDK_EXPORTER=none``). The exit status is 0: this is a
-measurement. See benchmarks/README.md.
+perfsdk's in-process summary only (``PERFSDK_EXPORTER=none``). The exit status is 0 whether or
+not a target is met: this is a measurement; the table says PASS or FAIL. See
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -31,49 +51,301 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from overhead import clean_environment, fill_counts, machine_info, versions
+from overhead import clean_environment, fill_counts, machine_info, percentile, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "instrument_module.json"
+CHILD_FLAG = "PERFSDK_BENCH_MODULE_CHILD"
+NVTX_ERROR = "PERFSDK_BENCH_NVTX_ERROR"
 FAST_OP = "aten::_transformer_encoder_layer_fwd"
 WORKLOADS = {
     "simplenet_infer": "SimpleNet inference (eval, no_grad), batch 4, 32x32",
     "simplenet_train": "SimpleNet forward + backward, batch 4, 32x32",
     "encoder_infer": "4-layer TransformerEncoder inference (eval, no_grad), batch 2 x 16 tokens",
 }
+PARTS = ("per_module", "workloads")
+
+# per_module: the model and the targets of issue 16
+LAYERS, WIDTH, BATCH = 24, 64, 8
+PER_MODULE_VARIANTS = {
+    "bare": "no hooks",
+    "nvtx_hooks_fwd": "hand-written NVTX forward pre/post hooks",
+    "nvtx_hooks_fwd_bwd": "hand-written NVTX forward + full backward pre/post hooks",
+    "instrumented_fwd": "instrument_module(backward=False)",
+    "instrumented": "instrument_module() (forward and backward regions)",
+}
+FWD_VS_HOOKS_MAX = 1.5
+FWD_BWD_VS_HOOKS_MAX = 3.0
+STEP_VS_BARE_MAX = 1.5
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="few calls (smoke test)")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON results path")
-    p.add_argument("--iters", type=int, help="timed calls per variant (default 200; quick 6)")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (default 10; quick 2)")
+    p.add_argument("--only", choices=PARTS, help="run only the per-module targets or only the "
+                   "SimpleNet / encoder workloads (default: both)")
+    p.add_argument("--iters", type=int, help="workloads: timed calls per variant (default 200; "
+                   "quick 6)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 10, per_module 25; "
+                   "quick 2)")
+    p.add_argument("--steps", type=int, help="per_module: training steps per variant per round "
+                   "(default 40; quick 3)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = p.parse_args(argv)
-    fill_counts(p, args, (("iters", 200, 6), ("rounds", 10, 2)))
+    rounds_given = args.rounds is not None
+    fill_counts(p, args, (("iters", 200, 6), ("rounds", 10, 2), ("steps", 40, 3)))
+    args.module_rounds = args.rounds if rounds_given or args.quick else 25
     return args
 
 
+# ---------------------------------------------------------------------------------- launcher
+def launch(argv: list[str]) -> int:
+    """Build the NVTX injection library, then measure in a child process that loads it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTX_")}
+    env[CHILD_FLAG] = "1"
+    sys.path.insert(0, str(REPO_ROOT))
+    with tempfile.TemporaryDirectory(prefix="perfsdk-bench-") as tmp:
+        try:
+            from tests.nvtx_injection.recorder import build_library
 
+            env["NVTX_INJECTION64_PATH"] = str(build_library(Path(tmp) / "nvtx"))
+        except Exception as exc:  # measure without injection, and say so
+            env[NVTX_ERROR] = f"{type(exc).__name__}: {exc}"
+            print(f"warning: NVTX injection library unavailable ({exc}); NVTX calls will be "
+                  "near no-ops and the table says so.", file=sys.stderr)
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env,
+                              check=False)
+    return proc.returncode
+
+
+# ------------------------------------------------------------------------------ measurement
 def measure(args: argparse.Namespace) -> int:
+    nvtx_error = os.environ.get(NVTX_ERROR)
+    nvtx_info = {"attached": nvtx_error is None and "NVTX_INJECTION64_PATH" in os.environ,
+                 "error": nvtx_error}
     clean_environment()
+    import torch
+
+    import perfsdk
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {
+        "benchmark": "perfsdk.auto.instrument_module overhead",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"quick": args.quick, "iters": args.iters, "rounds": args.rounds,
+                     "per_module_rounds": args.module_rounds, "steps": args.steps,
+                     "only": args.only, "torch_threads": torch.get_num_threads(),
+                     "order": "variants interleaved, the order rotating each round"},
+        "nvtx_injection": nvtx_info,
+        "machine": machine_info(),
+        "versions": versions(),
+    }
+    if args.only in (None, "per_module"):
+        result["per_module"] = per_module(args)
+        result["targets"] = result["per_module"].pop("targets")
+    if args.only in (None, "workloads"):
+        result["workloads"] = workloads(args)
+        result["headline"] = headline(result["workloads"])
+    perfsdk.flush()
+    result["perfsdk_diagnostics"] = perfsdk.diagnostics()
+    if "per_module" in result:
+        print_per_module(result)
+    if "headline" in result:
+        print_headline(result)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+def mlp() -> Any:
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def nvtx_hooks(model: Any, backward: bool) -> list[Any]:
+    """What one writes by hand: NVTX push in a forward pre-hook, pop in a forward hook (and in
+    full backward pre-hooks / hooks), one domain, attributes built once per module."""
+    import nvtx
+
+    dom = nvtx.get_domain("bench")
+    push, pop = dom.push_range, dom.pop_range
+    handles = []
+    for name, module in model.named_modules():
+        fwd = dom.get_event_attributes(message=name or "model", color=0xFF4E79A7)
+
+        def pre(m: Any, args: Any, attrs: Any = fwd) -> None:
+            push(attrs)
+
+        def post(m: Any, args: Any, output: Any) -> None:
+            pop()
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        if backward:
+            bwd = dom.get_event_attributes(message=f"{name or 'model'}.backward",
+                                           color=0xFFF28E2B)
+
+            def bpre(m: Any, grad_output: Any, attrs: Any = bwd) -> None:
+                push(attrs)
+
+            def bpost(m: Any, grad_input: Any, grad_output: Any) -> None:
+                pop()
+
+            handles += [module.register_full_backward_pre_hook(bpre),
+                        module.register_full_backward_hook(bpost)]
+    return handles
+
+
+def per_module(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import perfsdk
+    from perfsdk.auto import instrument_module
+
+    base = mlp()
+    x = torch.randn(BATCH, WIDTH)
+    modules = len(list(base.modules()))
+    steps: dict[str, Callable[[], None]] = {}
+    handles: list[Any] = []
+    for name in PER_MODULE_VARIANTS:
+        model = copy.deepcopy(base)
+        if name.startswith("nvtx_hooks"):
+            handles += nvtx_hooks(model, backward=name.endswith("bwd"))
+        elif name.startswith("instrumented"):
+            handle = instrument_module(model, backward=name == "instrumented")
+            assert len(handle.hooked) == modules, handle
+            handles.append(handle)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step(model: Any = model, opt: Any = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            opt.step()
+
+        steps[name] = step
+
+    names = list(steps)
+    ms: dict[str, list[float]] = {k: [] for k in names}
+    print(f"\nper module: {LAYERS} x (Linear({WIDTH}, {WIDTH}), ReLU), batch {BATCH}, "
+          f"{modules} modules, SGD training step; {args.module_rounds} rounds x {args.steps} "
+          "steps per variant", flush=True)
+    for step in steps.values():  # warm up: first calls, lazy state, the pipeline thread
+        for _ in range(3):
+            step()
+    perfsdk.flush()
+    for r in range(args.module_rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            step = steps[name]
+            step()
+            perfsdk.flush()
+            gc.collect()
+            t0 = time.perf_counter_ns()
+            for _ in range(args.steps):
+                step()
+            perfsdk.flush()
+            ms[name].append((time.perf_counter_ns() - t0) / args.steps / 1e6)
+    for h in handles:
+        h.remove()
+
+    bare = ms["bare"]
+    hooks = [(a - b) / modules * 1e3 for a, b in zip(ms["nvtx_hooks_fwd"], bare, strict=True)]
+    variants: dict[str, Any] = {}
+    for name in names:
+        added = [(a - b) / modules * 1e3 for a, b in zip(ms[name], bare, strict=True)]
+        variants[name] = {
+            "label": PER_MODULE_VARIANTS[name],
+            "step_ms": spread(ms[name]),
+            "added_us_per_module": spread(added),
+            "vs_bare_step": spread([a / b for a, b in zip(ms[name], bare, strict=True)]),
+            "vs_nvtx_hooks_fwd_added": spread([_div(a, h) for a, h in
+                                               zip(added, hooks, strict=True)]),
+        }
+    v = variants
+    targets = [
+        target("fwd_vs_hooks", "instrument_module forward regions add <= "
+               f"{FWD_VS_HOOKS_MAX:g}x the hand-written NVTX forward hooks' cost per module "
+               "(instrumented_fwd added / nvtx_hooks_fwd added, per round)",
+               v["instrumented_fwd"]["vs_nvtx_hooks_fwd_added"], "<=", FWD_VS_HOOKS_MAX),
+        target("fwd_bwd_vs_hooks", "forward + backward regions add <= "
+               f"{FWD_BWD_VS_HOOKS_MAX:g}x the hand-written NVTX forward hooks' cost per module "
+               "(instrumented added / nvtx_hooks_fwd added, per round)",
+               v["instrumented"]["vs_nvtx_hooks_fwd_added"], "<=", FWD_BWD_VS_HOOKS_MAX),
+        target("step_vs_bare", "training step with every module instrumented (forward + "
+               f"backward) <= {STEP_VS_BARE_MAX:g}x the bare step (instrumented / bare, per "
+               "round)", v["instrumented"]["vs_bare_step"], "<=", STEP_VS_BARE_MAX),
+    ]
+    return {"model": f"{LAYERS} x (Linear({WIDTH}, {WIDTH}), ReLU), batch {BATCH}",
+            "modules": modules, "rounds": args.module_rounds, "steps": args.steps,
+            "step": "zero_grad(set_to_none=True); model(x).sum().backward(); SGD.step()",
+            "timing": "each block of steps and the perfsdk.flush() after it, per step",
+            "variants": variants, "targets": targets}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median and interquartile range of per-round values."""
+    return {"median": percentile(values, 50), "p25": percentile(values, 25),
+            "p75": percentile(values, 75), "samples": [round(v, 4) for v in values]}
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b > 0 else float("inf")
+
+
+def target(name: str, definition: str, value: dict[str, Any], op: str,
+           threshold: float) -> dict[str, Any]:
+    median = value["median"]
+    passed = median <= threshold if op == "<=" else median >= threshold
+    return {"name": name, "definition": definition, "value": median, "p25": value["p25"],
+            "p75": value["p75"], "op": op, "threshold": threshold, "passed": passed}
+
+
+def print_per_module(result: dict[str, Any]) -> None:
+    pm = result["per_module"]
+    nvtx = result["nvtx_injection"]
+    print(f"\nper-module cost: {pm['model']}, {pm['modules']} modules; median [p25-p75] of "
+          f"{pm['rounds']} rounds; NVTX injection "
+          f"{'attached' if nvtx['attached'] else 'NOT attached: ' + str(nvtx['error'])}")
+    print(f"  {'variant':<20} {'step ms':>22} {'added us/module':>24} {'x hooks fwd':>20}")
+
+    def fmt(s: dict[str, Any], digits: int) -> str:
+        return f"{s['median']:.{digits}f} [{s['p25']:.{digits}f}-{s['p75']:.{digits}f}]"
+
+    for name, v in pm["variants"].items():
+        rel = "" if name == "bare" else fmt(v["vs_nvtx_hooks_fwd_added"], 2)
+        added = "" if name == "bare" else fmt(v["added_us_per_module"], 2)
+        print(f"  {name:<20} {fmt(v['step_ms'], 3):>22} {added:>24} {rel:>20}")
+    print("\ntargets (issue 16)")
+    for t in result["targets"]:
+        print(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['definition']}: {t['value']:.2f} "
+              f"[{t['p25']:.2f}-{t['p75']:.2f}] {t['op']} {t['threshold']:g}")
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    import perfsdk
     from perfsdk.auto import instrument_module
     from perfsdk.bench import compare
     from perfsdk.testing.models import SimpleNet, encoder
 
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
     handles: list[Any] = []
 
     def instrumented(model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -116,38 +388,20 @@ def measure(args: argparse.Namespace) -> int:
     plans["encoder_infer"][0].update({k: infer(m) for k, m in enc_models.items()})
     fast_path = {k: fast_path_calls(torch, m, tokens) for k, m in enc_models.items()}
 
-    workloads: dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, (fns, x, _) in plans.items():
         print(f"\n{WORKLOADS[name]}")
         comparison = compare(fns, x, warmup=3, iters=args.iters, rounds=args.rounds,
                              rotate=1, device="cpu", show=True)
         base = comparison.results["bare"].median_ms
-        workloads[name] = {"label": WORKLOADS[name], "variants": {
+        out[name] = {"label": WORKLOADS[name], "variants": {
             key: {**r.as_dict(), "added_ms": r.median_ms - base,
                   "ratio_vs_bare": r.median_ms / base}
             for key, r in comparison.results.items()}}
-    workloads["encoder_infer"]["fast_path_calls_per_forward"] = fast_path
+    out["encoder_infer"]["fast_path_calls_per_forward"] = fast_path
     for h in handles:
         h.remove()
-    perfsdk.flush()
-    result = {
-        "benchmark": "perfsdk.auto.instrument_module overhead",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"quick": args.quick, "iters": args.iters, "rounds": args.rounds,
-                     "torch_threads": torch.get_num_threads(),
-                     "order": "perfsdk.bench.compare: variants interleaved, the order rotating "
-                              "each round"},
-        "machine": machine_info(),
-        "versions": versions(),
-        "workloads": workloads,
-        "headline": headline(workloads),
-        "perfsdk_diagnostics": perfsdk.diagnostics(),
-    }
-    print_headline(result)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"\nwrote {args.output}")
-    return 0
+    return out
 
 
 def fast_path_calls(torch: Any, model: Any, x: Any) -> int:
@@ -158,11 +412,11 @@ def fast_path_calls(torch: Any, model: Any, x: Any) -> int:
     return sum(1 for e in prof.events() if e.name == FAST_OP)
 
 
-def headline(workloads: dict[str, Any]) -> dict[str, Any]:
+def headline(results: dict[str, Any]) -> dict[str, Any]:
     def v(workload: str, variant: str, key: str) -> float:
-        return float(workloads[workload]["variants"][variant][key])
+        return float(results[workload]["variants"][variant][key])
 
-    fast = workloads["encoder_infer"]["fast_path_calls_per_forward"]
+    fast = results["encoder_infer"]["fast_path_calls_per_forward"]
     return {
         "simplenet_infer_added_ms": v("simplenet_infer", "instrumented", "added_ms"),
         "simplenet_infer_ratio": v("simplenet_infer", "instrumented", "ratio_vs_bare"),
@@ -188,8 +442,11 @@ def print_headline(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    return measure(args)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if os.environ.get(CHILD_FLAG) == "1":
+        return measure(args)
+    return launch(argv)
 
 
 if __name__ == "__main__":
