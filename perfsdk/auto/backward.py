@@ -42,22 +42,27 @@ from typing import Any
 
 import torch
 
-from perfsdk.region import NULL_REGION, RegionSpec
+from perfsdk.region import NULL_REGION, RegionSpec, now_ns
 
 __all__ = ["close_stale", "first_node", "forward_done", "input_nodes", "track"]
 
 _task_id = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _Tensor = torch.Tensor
+_partial = functools.partial
 first_node: Any = torch._C._autograd._get_sequence_nr
 """The sequence number the next autograd node created on this thread gets."""
 
 _DONE = -2
 """``TASK`` of an entry whose region is to close as soon as nothing above it is open."""
+_NO_NODE = 2**64
+"""Above every node's sequence number."""
 
 # An entry: one forward call's backward region, a list so that its hot path allocates no
-# object of ours. [SPEC, FIRST, REGION (None while closed), TASK (the graph task it opened in)]
-SPEC, FIRST, REGION, TASK = range(4)
+# object of ours. [SPEC, FIRST, REGION (None while closed), TASK (the graph task it opened in,
+# _DONE once finished), END (the host clock reading to end at when another thread finished
+# it, else 0: now)]
+SPEC, FIRST, REGION, TASK, END = range(5)
 
 
 class _State(threading.local):
@@ -100,7 +105,7 @@ def _close_above(stack: list[list[Any]], seq: int) -> None:
     while stack and (stack[-1][FIRST] > seq or stack[-1][TASK] == _DONE):
         entry = stack.pop()
         region, entry[REGION] = entry[REGION], None
-        region.exit(None)
+        region.exit(None, entry[END])
 
 
 def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
@@ -108,8 +113,10 @@ def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
     the calls this node is an output of (outermost first)."""
     tls = _tls
     stack = tls.stack
-    if stack and stack[-1][FIRST] > seq:
-        _close_above(stack, seq)
+    while stack and (stack[-1][FIRST] > seq or stack[-1][TASK] == _DONE):  # _close_above
+        entry = stack.pop()
+        region, entry[REGION] = entry[REGION], None
+        region.exit(None, entry[END])
     for entry in entries:
         if entry[REGION] is not None:  # opened by another of its outputs
             continue
@@ -119,9 +126,10 @@ def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
         task = _task_id()
         if tls.task != task:  # the first region this pass opens on this thread
             tls.task = task
-            _queue_callback(_end_of_pass)
+            _queue_callback(functools.partial(_end_of_pass, stack))
         entry[REGION] = region
         entry[TASK] = task
+        entry[END] = 0
         stack.append(entry)
 
 
@@ -129,7 +137,7 @@ def _register(node: Any, nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
     """Hook ``node`` (once per forward call on this thread); the list of entries it opens."""
     entries: list[list[Any]] = []
     nodes[node] = entries
-    node.register_prehook(functools.partial(_on_node, node._sequence_nr(), entries))
+    node.register_prehook(_partial(_on_node, node._sequence_nr(), entries))
     return entries
 
 
@@ -145,11 +153,13 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
     if isinstance(output, _Tensor):
         node = output.grad_fn
         if node is not None and node._sequence_nr() >= first:
-            entry = [spec, first, None, None]
+            entry = [spec, first, None, None, 0]
             entries = nodes.get(node)
-            if entries is None:
-                entries = _register(node, nodes)
-            entries.insert(0, entry)  # hooked last, the outermost call: it opens first
+            if entries is None:  # _register, written out
+                entries = nodes[node] = [entry]
+                node.register_prehook(_partial(_on_node, node._sequence_nr(), entries))
+            else:
+                entries.insert(0, entry)  # hooked last, the outermost call: it opens first
     else:
         seen = []
         for t in _tensors(output, []):
@@ -157,7 +167,7 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
             if node is not None and node not in seen and node._sequence_nr() >= first:
                 seen.append(node)
                 if entry is None:
-                    entry = [spec, first, None, None]
+                    entry = [spec, first, None, None, 0]
                 entries = nodes.get(node)
                 if entries is None:
                     entries = _register(node, nodes)
@@ -181,21 +191,29 @@ def forward_done() -> None:
 
 
 def _finish(stack: list[list[Any]], task: int | None) -> None:
-    """Close the regions of graph task ``task`` (all for None); one under a region still open
-    closes with it."""
+    """Close this thread's regions of graph task ``task`` (all for None); one under a region
+    still open closes with it."""
     for entry in stack:
         if task is None or entry[TASK] == task:
             entry[TASK] = _DONE
-    while stack and stack[-1][TASK] == _DONE:
-        entry = stack.pop()
-        region, entry[REGION] = entry[REGION], None
-        region.exit(None)
+    _close_above(stack, _NO_NODE)
 
 
-def _end_of_pass() -> None:
-    """The backward pass is over: close its regions still open on this thread."""
-    _tls.task = None
-    _finish(_tls.stack, _task_id())
+def _end_of_pass(stack: list[list[Any]]) -> None:
+    """The backward pass is over: close its regions still open on the thread whose ``stack``
+    this is. Autograd runs this on the thread that finished the pass; regions another thread
+    opened are marked to end now and close at that thread's next hook (a region's context
+    can only be detached on its own thread)."""
+    task = _task_id()
+    if stack is _tls.stack:
+        _tls.task = None
+        _finish(stack, task)
+        return
+    t1 = now_ns()
+    for entry in stack:
+        if entry[TASK] == task:
+            entry[END] = t1
+            entry[TASK] = _DONE
 
 
 def close_stale() -> None:
