@@ -7,6 +7,7 @@ Usage::
     python benchmarks/instrument_module.py --quick          # a few calls, for a smoke test
     python benchmarks/instrument_module.py --output x.json  # default: benchmarks/results/
     python benchmarks/instrument_module.py --only per_module --rounds 40   # the targets only
+    python benchmarks/instrument_module.py --callgrind      # the same in instructions (valgrind)
 
 The script builds the NVTX recording injection library (``tests/nvtx_injection/recorder.c``)
 and re-executes itself with ``NVTX_INJECTION64_PATH`` pointing at it, as
@@ -24,7 +25,9 @@ pop; ``instrumented_fwd``: ``instrument_module(backward=False)``; ``instrumented
 ``--steps`` steps then ``perfsdk.flush()``, both inside the timing, so the regions' background
 work counts. Per round, a variant's added cost per module is (its step time - the bare step's
 time in the same round) / 49; the table gives the median and the interquartile range (p25-p75)
-across rounds, and the targets' ratios likewise, computed per round.
+across rounds, and the targets' ratios likewise, computed per round. ``--callgrind`` runs
+the same variants under valgrind's callgrind and reports instructions per step of the calling
+thread instead (repeatable on a shared machine, but without perfsdk's background thread).
 
 The other workloads run on the CPU, each timed with ``perfsdk.bench.compare`` (all variants in
 this one process, interleaved round by round on the same inputs; each variant a deep copy of
@@ -66,7 +69,10 @@ from overhead import clean_environment, fill_counts, machine_info, percentile, v
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "instrument_module.json"
+CALLGRIND_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "instrument_module_callgrind.json"
 CHILD_FLAG = "PERFSDK_BENCH_MODULE_CHILD"
+CALLGRIND_DIR = "PERFSDK_BENCH_CALLGRIND_DIR"
+CALLGRIND_BLOCKS = (4, 24)  # steps per block (quick: 1, 3); per step = difference / 20
 NVTX_ERROR = "PERFSDK_BENCH_NVTX_ERROR"
 FAST_OP = "aten::_transformer_encoder_layer_fwd"
 WORKLOADS = {
@@ -103,15 +109,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="per_module: training steps per variant per round "
                    "(default 40; quick 3)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--callgrind", action="store_true", help="per_module only, as instruction "
+                   "counts of the calling thread under valgrind's callgrind (repeatable on a "
+                   "busy machine; about 10 minutes); JSON default: "
+                   "benchmarks/results/instrument_module_callgrind.json")
     args = p.parse_args(argv)
     rounds_given = args.rounds is not None
     fill_counts(p, args, (("iters", 200, 6), ("rounds", 10, 2), ("steps", 40, 3)))
     args.module_rounds = args.rounds if rounds_given or args.quick else 25
+    if args.callgrind and args.output == DEFAULT_OUTPUT:
+        args.output = CALLGRIND_OUTPUT
     return args
 
 
 # ---------------------------------------------------------------------------------- launcher
-def launch(argv: list[str]) -> int:
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Build the NVTX injection library, then measure in a child process that loads it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTX_")}
     env[CHILD_FLAG] = "1"
@@ -125,16 +137,146 @@ def launch(argv: list[str]) -> int:
             env[NVTX_ERROR] = f"{type(exc).__name__}: {exc}"
             print(f"warning: NVTX injection library unavailable ({exc}); NVTX calls will be "
                   "near no-ops and the table says so.", file=sys.stderr)
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env,
-                              check=False)
-    return proc.returncode
+        command = [sys.executable, str(Path(__file__).resolve()), *argv]
+        if not args.callgrind:
+            return subprocess.run(command, env=env, check=False).returncode
+        return callgrind(args, command, env, Path(tmp))
+
+
+# -------------------------------------------------------------------------------- callgrind
+def callgrind(args: argparse.Namespace, command: list[str], env: dict[str, str],
+              tmp: Path) -> int:
+    """Run the per-module variants under callgrind, collecting only inside blocks of steps.
+
+    The child runs each block inside ``itertools.starmap``; ``--toggle-collect=starmap_next``
+    counts instructions only there, on the calling thread (perfsdk's background thread is not
+    counted: the wall-clock run includes it), and ``--dump-after`` writes one file per block.
+    Per step = (count of the long block - the short one) / their difference in steps, so
+    warm-up, the flush after each block and the rest of the process cancel out.
+    """
+    import shutil
+
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        print("error: --callgrind needs valgrind on PATH", file=sys.stderr)
+        return 2
+    out = tmp / "callgrind"
+    out.mkdir()
+    env[CALLGRIND_DIR] = str(out)
+    proc = subprocess.run(
+        [valgrind, "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=starmap_next",
+         "--dump-after=starmap_next", f"--callgrind-out-file={out / 'cg.out'}", *command],
+        env=env, check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout, proc.stderr, sep="\n", file=sys.stderr)
+        return proc.returncode
+    plan = json.loads((out / "plan.json").read_text())
+    counts = []
+    for f in sorted(out.glob("cg.out.*"), key=lambda f: int(f.suffix[1:])):
+        total = next((int(line.split()[1]) for line in f.read_text().splitlines()
+                      if line.startswith(("summary:", "totals:"))), 0)
+        if total > 10_000:  # a block (starmap's last, empty call dumps a few hundred)
+            counts.append(total)
+    if len(counts) != len(plan["blocks"]):
+        print(f"error: {len(counts)} callgrind dumps for {len(plan['blocks'])} blocks",
+              file=sys.stderr)
+        return 1
+    by: dict[str, dict[int, int]] = {}
+    for (name, n), total in zip(plan["blocks"], counts, strict=True):
+        by.setdefault(name, {})[n] = total
+    modules = plan["modules"]
+    per_step = {}
+    for name, blocks in by.items():
+        (n1, c1), (n2, c2) = sorted(blocks.items())
+        per_step[name] = (c2 - c1) / (n2 - n1)
+    bare, hooks = per_step["bare"], per_step["nvtx_hooks_fwd"] - per_step["bare"]
+    variants = {name: {
+        "label": PER_MODULE_VARIANTS[name], "instructions_per_step": v,
+        "added_per_module": (v - bare) / modules, "vs_bare_step": v / bare,
+        "vs_nvtx_hooks_fwd_added": _div(v - bare, hooks)} for name, v in per_step.items()}
+    one = {"median": 0.0, "p25": 0.0, "p75": 0.0}
+    targets = [
+        target("fwd_vs_hooks", f"forward regions <= {FWD_VS_HOOKS_MAX:g}x the hand-written "
+               "forward hooks' added instructions per module",
+               {**one, "median": variants["instrumented_fwd"]["vs_nvtx_hooks_fwd_added"]},
+               "<=", FWD_VS_HOOKS_MAX),
+        target("fwd_bwd_vs_hooks", f"forward + backward regions <= {FWD_BWD_VS_HOOKS_MAX:g}x "
+               "the hand-written forward hooks' added instructions per module",
+               {**one, "median": variants["instrumented"]["vs_nvtx_hooks_fwd_added"]},
+               "<=", FWD_BWD_VS_HOOKS_MAX),
+        target("step_vs_bare", f"instrumented step <= {STEP_VS_BARE_MAX:g}x the bare step's "
+               "instructions", {**one, "median": variants["instrumented"]["vs_bare_step"]},
+               "<=", STEP_VS_BARE_MAX),
+    ]
+    result = {
+        "benchmark": "perfsdk.auto.instrument_module per-module instructions (callgrind)",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {"quick": args.quick, "blocks": plan["blocks"],
+                     "counted": "instructions of the calling thread inside the blocks of "
+                                "steps (perfsdk.flush() after each block included, the "
+                                "pipeline thread's work not)"},
+        "nvtx_injection": {"attached": NVTX_ERROR not in env, "error": env.get(NVTX_ERROR)},
+        "machine": machine_info(), "versions": versions(),
+        "per_module": {"model": plan["model"], "modules": modules, "variants": variants},
+        "targets": targets,
+    }
+    print(f"\ninstructions (callgrind, calling thread): {plan['model']}, {modules} modules")
+    print(f"  {'variant':<20} {'per step':>14} {'added/module':>14} {'x hooks fwd':>12}")
+    for name, v in variants.items():
+        print(f"  {name:<20} {v['instructions_per_step']:>14,.0f} "
+              f"{v['added_per_module']:>14,.0f} {v['vs_nvtx_hooks_fwd_added']:>12.2f}")
+    print("\ntargets (issue 16), in instructions")
+    for t in targets:
+        print(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['definition']}: {t['value']:.2f} "
+              f"{t['op']} {t['threshold']:g}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+def callgrind_child(args: argparse.Namespace) -> int:
+    """Under callgrind: each variant's blocks of steps, each inside ``itertools.starmap``."""
+    import itertools
+
+    out = Path(os.environ[CALLGRIND_DIR])
+    clean_environment()
+    import torch
+
+    import perfsdk
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    steps, handles, modules = build_steps()
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    perfsdk.flush()
+    sizes = (1, 3) if args.quick else CALLGRIND_BLOCKS
+    blocks = []
+    for name, step in steps.items():
+        for n in sizes:
+            def block(step: Callable[[], None] = step, n: int = n) -> None:
+                for _ in range(n):
+                    step()
+                perfsdk.flush()
+
+            for _ in itertools.starmap(block, [()]):
+                pass
+            blocks.append((name, n))
+    for h in handles:
+        h.remove()
+    (out / "plan.json").write_text(json.dumps({
+        "blocks": blocks, "modules": modules,
+        "model": f"{LAYERS} x (Linear({WIDTH}, {WIDTH}), ReLU), batch {BATCH}"}))
+    return 0
 
 
 # ------------------------------------------------------------------------------ measurement
 def measure(args: argparse.Namespace) -> int:
-    nvtx_error = os.environ.get(NVTX_ERROR)
-    nvtx_info = {"attached": nvtx_error is None and "NVTX_INJECTION64_PATH" in os.environ,
-                 "error": nvtx_error}
+    nvtx_lib = os.environ.get("NVTX_INJECTION64_PATH")
+    nvtx_info: dict[str, Any] = {"library": nvtx_lib, "attached": False,
+                                 "error": os.environ.get(NVTX_ERROR)}
     clean_environment()
     import torch
 
@@ -161,6 +303,8 @@ def measure(args: argparse.Namespace) -> int:
         result["headline"] = headline(result["workloads"])
     perfsdk.flush()
     result["perfsdk_diagnostics"] = perfsdk.diagnostics()
+    maps = Path("/proc/self/maps")  # NVTX loads the library at its first call, long done
+    nvtx_info["attached"] = bool(nvtx_lib and maps.exists() and nvtx_lib in maps.read_text())
     if "per_module" in result:
         print_per_module(result)
     if "headline" in result:
@@ -213,10 +357,12 @@ def nvtx_hooks(model: Any, backward: bool) -> list[Any]:
     return handles
 
 
-def per_module(args: argparse.Namespace) -> dict[str, Any]:
+def build_steps(variants: Any = PER_MODULE_VARIANTS
+                ) -> tuple[dict[str, Callable[[], None]], list[Any], int]:
+    """One training step per variant, each on its own copy of the model; the hook handles to
+    remove afterwards; how many modules the model has."""
     import torch
 
-    import perfsdk
     from perfsdk.auto import instrument_module
 
     base = mlp()
@@ -224,7 +370,7 @@ def per_module(args: argparse.Namespace) -> dict[str, Any]:
     modules = len(list(base.modules()))
     steps: dict[str, Callable[[], None]] = {}
     handles: list[Any] = []
-    for name in PER_MODULE_VARIANTS:
+    for name in variants:
         model = copy.deepcopy(base)
         if name.startswith("nvtx_hooks"):
             handles += nvtx_hooks(model, backward=name.endswith("bwd"))
@@ -240,7 +386,13 @@ def per_module(args: argparse.Namespace) -> dict[str, Any]:
             opt.step()
 
         steps[name] = step
+    return steps, handles, modules
 
+
+def per_module(args: argparse.Namespace) -> dict[str, Any]:
+    import perfsdk
+
+    steps, handles, modules = build_steps()
     names = list(steps)
     ms: dict[str, list[float]] = {k: [] for k in names}
     print(f"\nper module: {LAYERS} x (Linear({WIDTH}, {WIDTH}), ReLU), batch {BATCH}, "
@@ -445,8 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if os.environ.get(CHILD_FLAG) == "1":
-        return measure(args)
-    return launch(argv)
+        return callgrind_child(args) if args.callgrind else measure(args)
+    return launch(args, argv)
 
 
 if __name__ == "__main__":

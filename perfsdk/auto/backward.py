@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from perfsdk.errors import warn_once
 from perfsdk.region import NULL_REGION, RegionSpec, now_ns
 
 __all__ = ["close_stale", "first_node", "forward_done", "input_nodes", "track"]
@@ -111,26 +112,34 @@ def _close_above(stack: list[list[Any]], seq: int) -> None:
 def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
     """The pre-hook of a hooked node: close the calls all of whose nodes have run, then open
     the calls this node is an output of (outermost first)."""
-    tls = _tls
-    stack = tls.stack
-    while stack and (stack[-1][FIRST] > seq or stack[-1][TASK] == _DONE):  # _close_above
-        entry = stack.pop()
-        region, entry[REGION] = entry[REGION], None
-        region.exit(None, entry[END])
-    for entry in entries:
-        if entry[REGION] is not None:  # opened by another of its outputs
-            continue
-        region = entry[SPEC].open()  # the spec has every=1: the forward call was the sample
-        if region is NULL_REGION:
-            continue
-        task = _task_id()
-        if tls.task != task:  # the first region this pass opens on this thread
-            tls.task = task
-            _queue_callback(functools.partial(_end_of_pass, stack))
-        entry[REGION] = region
-        entry[TASK] = task
-        entry[END] = 0
-        stack.append(entry)
+    try:
+        tls = _tls
+        stack = tls.stack
+        while stack and (stack[-1][FIRST] > seq or stack[-1][TASK] == _DONE):  # _close_above
+            entry = stack.pop()
+            region, entry[REGION] = entry[REGION], None
+            region.exit(None, entry[END])
+        for entry in entries:
+            if entry[REGION] is not None:  # opened by another of its outputs
+                continue
+            task = _task_id()
+            if tls.task != task:  # the first region this pass opens on this thread
+                _queue_callback(_partial(_end_of_pass, stack))
+                tls.task = task
+            region = entry[SPEC].open()  # every=1: the forward call was the sample
+            if region is NULL_REGION:
+                continue
+            entry[REGION] = region
+            entry[TASK] = task
+            entry[END] = 0
+            stack.append(entry)
+    except Exception as exc:  # our bookkeeping must never break the user's backward
+        _warn(exc)
+
+
+def _warn(exc: Exception) -> None:
+    warn_once(f"auto-backward:{type(exc).__name__}",
+              f"perfsdk: a backward region of instrument_module failed: {exc!r}")
 
 
 def _register(node: Any, nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
@@ -204,23 +213,29 @@ def _end_of_pass(stack: list[list[Any]]) -> None:
     this is. Autograd runs this on the thread that finished the pass; regions another thread
     opened are marked to end now and close at that thread's next hook (a region's context
     can only be detached on its own thread)."""
-    task = _task_id()
-    if stack is _tls.stack:
-        _tls.task = None
-        _finish(stack, task)
-        return
-    t1 = now_ns()
-    for entry in stack:
-        if entry[TASK] == task:
-            entry[END] = t1
-            entry[TASK] = _DONE
+    try:
+        task = _task_id()
+        if stack is _tls.stack:
+            _tls.task = None
+            _finish(stack, task)
+            return
+        t1 = now_ns()
+        for entry in stack:
+            if entry[TASK] == task:
+                entry[END] = t1
+                entry[TASK] = _DONE
+    except Exception as exc:  # as in _on_node
+        _warn(exc)
 
 
 def close_stale() -> None:
     """Close backward regions left open on this thread by a backward pass that raised."""
-    if _task_id() != -1:  # inside a backward pass (checkpointing recomputes forward there)
-        return
-    stack = _tls.stack
-    if stack:
-        _tls.task = None
-        _finish(stack, None)
+    try:
+        if _task_id() != -1:  # inside a backward pass (checkpointing recomputes forward)
+            return
+        stack = _tls.stack
+        if stack:
+            _tls.task = None
+            _finish(stack, None)
+    except Exception as exc:  # as in _on_node
+        _warn(exc)

@@ -107,15 +107,18 @@ class _Probe:
                 region.set_attribute("perfsdk.amp", amp)
         else:
             region = spec.open()  # NULL_REGION when sampled out: exited all the same
+        first, inputs = -1, None
         if self.bwd is not None and region is not NULL_REGION and _grad_enabled():
-            inputs: Any
-            if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
-                inputs = args[0].grad_fn  # the common case, without a call
-            else:
-                inputs = _input_nodes(args, kwargs)
-            _tls.stack.append((self, region, _first_node(), inputs))
-        else:
-            _tls.stack.append((self, region, -1, None))
+            try:
+                if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
+                    inputs = args[0].grad_fn  # the common case, without a call
+                else:
+                    inputs = _input_nodes(args, kwargs)
+                first = _first_node()
+            except Exception as exc:  # our bookkeeping must never break the model
+                warn_once(f"auto-backward:{type(exc).__name__}",
+                          f"perfsdk: no backward region for {spec.name!r}: {exc!r}")
+        _tls.stack.append((self, region, first, inputs))
 
     def hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Exit the region the pre-hook entered (a forward hook, ``always_call=True``: torch

@@ -286,9 +286,10 @@ def _counting_registrations():  # type: ignore[no-untyped-def]
     registered = []
     original = bwd._partial
 
-    def counting(fn, seq, *args):  # type: ignore[no-untyped-def]
-        registered.append(seq)
-        return original(fn, seq, *args)
+    def counting(fn, *args):  # type: ignore[no-untyped-def]
+        if fn is bwd._on_node:  # a node's pre-hook, partial(_on_node, seq, entries)
+            registered.append(args[0])
+        return original(fn, *args)
 
     bwd._partial = counting
     try:
@@ -323,6 +324,31 @@ def test_a_node_that_ends_one_call_and_starts_another_has_one_hook():
     assert registered == [exp + 1, exp]
     assert Counter(r.name for r in cap.regions) == Counter(
         {"Outer": 1, "Outer.inner": 1, "Outer.backward": 1})
+
+
+def test_a_failure_in_backward_bookkeeping_never_breaks_backward(monkeypatch):
+    import perfsdk.auto.backward as bwd
+    from perfsdk.errors import PerfSDKWarning, counts
+
+    def broken(callback) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("bookkeeping")
+
+    model, x = _net()
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with capture() as cap, instrument_module(model):
+        monkeypatch.setattr(bwd, "_queue_callback", broken)
+        with pytest.warns(PerfSDKWarning, match="bookkeeping"):
+            model(x).sum().backward()
+        monkeypatch.undo()
+        assert not isinstance(current_span(), Region)
+        model(x).sum().backward()  # and the next step records again
+    assert all(torch.equal(p.grad, 2 * g) for p, g in zip(model.parameters(), expected,
+                                                           strict=True))
+    assert counts()["auto-backward:RuntimeError"] >= 1
+    assert len(cap.named("SimpleNet")) == 2
+    assert len(cap.named("SimpleNet.backward")) == 1
 
 
 def test_parallel_branches_get_one_backward_region_each_inside_their_parent():
