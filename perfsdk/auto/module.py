@@ -107,7 +107,8 @@ class _Probe:
                 region.set_attribute("perfsdk.amp", amp)
         else:
             region = spec.open()  # NULL_REGION when sampled out: exited all the same
-        first, inputs = -1, None
+        first = -1
+        inputs: Any = None
         if self.bwd is not None and region is not NULL_REGION and _grad_enabled():
             try:
                 if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
