@@ -155,8 +155,6 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
     :func:`first_node` and the ``grad_fn`` of its inputs (one node or None for a single input
     tensor, else :func:`input_nodes`). False when the call created no autograd node that
     reaches its output."""
-    if first_node() == first:  # no node created: nothing to time
-        return False
     nodes = _tls.nodes
     entry: list[Any] | None = None
     if isinstance(output, _Tensor):
