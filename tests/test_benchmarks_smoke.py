@@ -136,11 +136,14 @@ def test_instrument_module_benchmark_per_module_shape(instrument_module_run):
     assert pm["modules"] == 49
     rounds = result["settings"]["per_module_rounds"]
     for name, v in pm["variants"].items():
-        for key in ("step_ms", "added_us_per_module", "vs_bare_step", "vs_nvtx_hooks_fwd_added"):
+        for key in ("step_ms", "added_us_per_module", "vs_bare_step", "vs_nvtx_hooks_fwd_added",
+                    "thread_cpu_step_ms", "thread_cpu_added_us_per_module"):
             stats = v[key]
             assert len(stats["samples"]) == rounds, (name, key)
-            assert stats["p25"] <= stats["median"] <= stats["p75"], (name, key, stats)
+            if key != "vs_nvtx_hooks_fwd_added":  # NaN when the hooks' cost is within noise
+                assert stats["p25"] <= stats["median"] <= stats["p75"], (name, key, stats)
         assert positive(v["step_ms"]["median"]), name
+        assert positive(v["thread_cpu_step_ms"]["median"]), name
     assert pm["variants"]["bare"]["vs_bare_step"]["median"] == 1.0
     nvtx = result["nvtx_injection"]
     # Where the recorder library can be built, it must really be attached in the child.
