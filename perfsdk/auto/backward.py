@@ -18,9 +18,9 @@ one block, and once a node numbered below ``first`` starts, the call's backward 
   backward pass ends (an autograd engine callback), as it does for a first layer whose input
   needs no grad: its weight gradients are inside the region.
 
-No graph is walked and no tensor is wrapped: per forward call, two counter reads and at most
-one hook per node that is an instrumented call's output or input (nodes shared by nested
-modules and by consecutive layers get one hook between them). Why not
+No graph is walked and no tensor is wrapped: per forward call, one counter read and at most one
+hook per node that is an instrumented call's output or input (nodes shared by nested modules
+and by consecutive layers get one hook between them). Why not
 ``register_full_backward_hook``: it wraps the module's inputs and outputs in a custom autograd
 function, which makes an in-place operation on the output (``nn.ReLU(inplace=True)`` after a
 convolution) an error, and for a module whose inputs do not require grad torch calls it as soon
@@ -28,8 +28,9 @@ as the output gradients are known, before the module's backward ran.
 
 Backward regions nest in a per-thread stack (the thread autograd runs the nodes on) and only
 its top is ever closed, so NVTX ranges and span contexts stay balanced. Regions whose end no
-hook saw close when their backward pass ends; regions left open by a backward that raised close
-at the instrumented model's next forward call. Where the order above does not hold (a graph
+hook saw close when their backward pass ends (when autograd finishes the pass on another
+thread, they end then and close at their own thread's next hook); regions left open by a
+backward that raised close at the instrumented model's next forward call. Where the order above does not hold (a graph
 whose nodes run on several devices' queues at once) a region can end late or early, never
 unbalanced.
 """
