@@ -30,9 +30,9 @@ Backward regions nest in a per-thread stack (the thread autograd runs the nodes 
 its top is ever closed, so NVTX ranges and span contexts stay balanced. Regions whose end no
 hook saw close when their backward pass ends (when autograd finishes the pass on another
 thread, they end then and close at their own thread's next hook); regions left open by a
-backward that raised close at the instrumented model's next forward call. Where the order above does not hold (a graph
-whose nodes run on several devices' queues at once) a region can end late or early, never
-unbalanced.
+backward that raised close at the instrumented model's next forward call. Where the order
+above does not hold (a graph whose nodes run on several devices' queues at once) a region can
+end late or early, never unbalanced.
 """
 
 from __future__ import annotations
