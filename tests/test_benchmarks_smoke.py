@@ -141,6 +141,39 @@ def test_instrument_module_benchmark_shape(instrument_module_run):
     assert "hooks_everywhere" in stdout
 
 
+IM_PER_MODULE = {"bare", "nvtx_hooks_fwd", "nvtx_hooks_fwd_bwd", "instrumented_fwd",
+                 "instrumented"}
+IM_TARGETS = {"fwd_vs_hooks", "fwd_bwd_vs_hooks", "step_vs_bare"}
+
+
+def test_instrument_module_benchmark_per_module_shape(instrument_module_run):
+    """The per-module table against hand-written NVTX hooks (issue 16): every variant timed in
+    every round, the NVTX injection library attached, and the targets printed PASS or FAIL."""
+    result, stdout = instrument_module_run
+    pm = result["per_module"]
+    assert set(pm["variants"]) == IM_PER_MODULE
+    assert pm["modules"] == 49
+    rounds = result["settings"]["per_module_rounds"]
+    for name, v in pm["variants"].items():
+        for key in ("step_ms", "added_us_per_module", "vs_bare_step", "vs_nvtx_hooks_fwd_added",
+                    "thread_cpu_step_ms", "thread_cpu_added_us_per_module"):
+            stats = v[key]
+            assert len(stats["samples"]) == rounds, (name, key)
+            if key != "vs_nvtx_hooks_fwd_added":  # NaN when the hooks' cost is within noise
+                assert stats["p25"] <= stats["median"] <= stats["p75"], (name, key, stats)
+        assert positive(v["step_ms"]["median"]), name
+        assert positive(v["thread_cpu_step_ms"]["median"]), name
+    assert pm["variants"]["bare"]["vs_bare_step"]["median"] == 1.0
+    nvtx = result["nvtx_injection"]
+    # Where the recorder library can be built, it must really be attached in the child.
+    assert nvtx["attached"] is (nvtx["error"] is None), nvtx
+    targets = {t["name"]: t for t in result["targets"]}
+    assert set(targets) == IM_TARGETS
+    for t in targets.values():
+        assert isinstance(t["passed"], bool), t
+        assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['definition']}" in stdout
+
+
 def test_instrument_module_benchmark_checks_the_fast_path(instrument_module_run):
     """Deterministic, not a timing: instrument_module keeps the encoder's fused kernel (one per
     layer), hooks on every module lose it."""

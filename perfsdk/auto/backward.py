@@ -1,48 +1,89 @@
-"""Backward regions of :func:`perfsdk.auto.instrument_module`, from autograd node hooks.
+"""Backward regions of :func:`perfsdk.auto.instrument_module`, from autograd sequence numbers.
 
-A module's backward is the part of the autograd graph its forward call built: the nodes
-reachable from its outputs' ``grad_fn`` that stop at its inputs' ``grad_fn`` (taken before the
-forward ran, so in-place operations on an input count as the module's) and at parameters
-(``AccumulateGrad``). The region starts when autograd is about to run one of the output nodes
-(a node pre-hook) and ends when every *frontier* node, one whose inputs lead only outside the
-module, has run (node post-hooks). So the region holds the module's whole backward, weight
-gradients included, also for a first layer whose input does not require grad.
+Every autograd node gets a sequence number when it is created, from a counter of the creating
+thread (``torch.autograd._get_sequence_nr()`` reads the next one). A module call's own nodes are
+those numbered from the counter at its forward pre-hook (``first``) up to the counter at its
+forward hook: the nodes its forward created, in-place operations on its inputs included, and
+nothing created before it (its inputs' ``grad_fn``, parameters' ``AccumulateGrad``).
 
-Why not ``register_full_backward_hook``: it wraps the module's inputs and outputs in a custom
-autograd function, which makes an in-place operation on the output (``nn.ReLU(inplace=True)``
-after a convolution) an error, and for a module whose inputs do not require grad torch calls it
-as soon as the output gradients are known, before the module's backward ran. Node hooks change
-no tensor.
+The engine runs the ready node with the highest sequence number first (``AccumulateGrad``
+aside, which runs as soon as it is ready), and a node's gradient comes only from nodes created
+after it, so on one ready queue the nodes run in decreasing order: a module call's nodes run as
+one block, and once a node numbered below ``first`` starts, the call's backward is over. So:
 
-Backward regions nest in a per-thread stack. Should autograd finish them out of order (parallel
-branches), a finished region waits for the ones above it, so NVTX ranges and span contexts stay
-balanced. Regions whose frontier never ran (an output that received no gradient) close when the
-backward pass ends (an autograd engine callback); regions left open by a backward that raised
-close at the instrumented model's next forward call.
+- the region starts when autograd is about to run one of the call's output nodes (a node
+  pre-hook);
+- it ends when a hooked node numbered below ``first`` starts (the pre-hook of another
+  instrumented call's output node, or of one of this call's inputs' ``grad_fn``), or when the
+  backward pass ends (an autograd engine callback), as it does for a first layer whose input
+  needs no grad: its weight gradients are inside the region.
+
+No graph is walked and no tensor is wrapped: per forward call, one counter read and at most one
+hook per node that is an instrumented call's output or input (nodes shared by nested modules
+and by consecutive layers get one hook between them). Why not
+``register_full_backward_hook``: it wraps the module's inputs and outputs in a custom autograd
+function, which makes an in-place operation on the output (``nn.ReLU(inplace=True)`` after a
+convolution) an error, and for a module whose inputs do not require grad torch calls it as soon
+as the output gradients are known, before the module's backward ran.
+
+Backward regions nest in a per-thread stack (the thread autograd runs the nodes on) and only
+its top is ever closed, so NVTX ranges and span contexts stay balanced. Regions whose end no
+hook saw close when their backward pass ends (when autograd finishes the pass on another
+thread, they end then and close at their own thread's next hook); regions left open by a
+backward that raised close at the instrumented model's next forward call. Where the order
+above does not hold (a graph whose nodes run on several devices' queues at once) a region can
+end late or early, never unbalanced.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
 import torch
 
-from perfsdk.region import NULL_REGION, RegionSpec
+from perfsdk.errors import warn_once
+from perfsdk.region import NULL_REGION, RegionSpec, now_ns
 
-__all__ = ["close_stale", "forward_done", "input_nodes", "track"]
+__all__ = ["close_stale", "first_node", "forward_done", "input_nodes", "track"]
 
-_MAX_NODES = 20_000
-"""A module whose backward graph is larger than this gets no backward region (bounded cost)."""
-
-_tls = threading.local()
 _task_id = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_Tensor = torch.Tensor
+_partial = functools.partial
+first_node: Any = torch._C._autograd._get_sequence_nr
+"""The sequence number the next autograd node created on this thread gets."""
+
+_DONE = -2
+"""``TASK`` of an entry whose region is to close as soon as nothing above it is open."""
+_NO_NODE = 2**64
+"""Above every node's sequence number."""
+
+# An entry: one forward call's backward region, a list so that its hot path allocates no
+# object of ours. [SPEC, FIRST, REGION (None while closed), TASK (the graph task it opened in,
+# _DONE once finished), END (the host clock reading to end at when another thread finished
+# it, else 0: now)]
+SPEC, FIRST, REGION, TASK, END = range(5)
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[list[Any]] = []
+        """Open backward regions on this thread, innermost last."""
+        self.nodes: dict[Any, list[list[Any]]] = {}
+        """The nodes hooked during the current outermost forward call on this thread: node ->
+        the entries it starts (outermost first)."""
+        self.task: int | None = None
+        """The graph task whose end-of-pass callback this thread has queued."""
+
+
+_tls = _State()
 
 
 def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
     """The tensors in ``obj`` and in its tuples, lists and dict values (three levels deep)."""
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, _Tensor):
         out.append(obj)
     elif depth < 3:
         if isinstance(obj, (tuple, list)):
@@ -54,152 +95,146 @@ def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Te
     return out
 
 
-def input_nodes(args: Any, kwargs: Any) -> set[Any]:
-    """The ``grad_fn`` of every input tensor, before the module runs: where its graph stops."""
-    return {t.grad_fn for t in _tensors((args, kwargs), []) if t.grad_fn is not None}
+def input_nodes(args: Any, kwargs: Any) -> list[Any]:
+    """The ``grad_fn`` of the input tensors before the module runs (where its backward ends),
+    None for those without one."""
+    return [t.grad_fn for t in _tensors((args, kwargs), [])]
 
 
-def _stack() -> list[list[Any]]:
+def _close_above(stack: list[list[Any]], seq: int) -> None:
+    """Exit the regions at the top of the stack whose ``FIRST`` is above ``seq`` (and those
+    already finished)."""
+    while stack and (stack[-1][FIRST] > seq or stack[-1][TASK] == _DONE):
+        entry = stack.pop()
+        region, entry[REGION] = entry[REGION], None
+        region.exit(None, entry[END])
+
+
+def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
+    """The pre-hook of a hooked node: close the calls all of whose nodes have run, then open
+    the calls this node is an output of (outermost first)."""
     try:
-        stack: list[list[Any]] = _tls.stack
-    except AttributeError:
-        stack = _tls.stack = []
-    return stack
+        tls = _tls
+        stack = tls.stack
+        while stack and (stack[-1][FIRST] > seq or stack[-1][TASK] == _DONE):  # _close_above
+            entry = stack.pop()
+            region, entry[REGION] = entry[REGION], None
+            region.exit(None, entry[END])
+        for entry in entries:
+            if entry[REGION] is not None:  # opened by another of its outputs
+                continue
+            task = _task_id()
+            if tls.task != task:  # the first region this pass opens on this thread
+                _queue_callback(_partial(_end_of_pass, stack))
+                tls.task = task
+            region = entry[SPEC].open()  # every=1: the forward call was the sample
+            if region is NULL_REGION:
+                continue
+            entry[REGION] = region
+            entry[TASK] = task
+            entry[END] = 0
+            stack.append(entry)
+    except Exception as exc:  # our bookkeeping must never break the user's backward
+        _warn(exc)
 
 
-def _unwind(stack: list[list[Any]]) -> None:
-    """Exit the finished regions at the top of the stack (innermost first)."""
-    while stack and stack[-1][1]:
-        region = stack.pop()[0]
-        region.exit(None)
+def _warn(exc: Exception) -> None:
+    warn_once(f"auto-backward:{type(exc).__name__}",
+              f"perfsdk: a backward region of instrument_module failed: {exc!r}")
 
 
-class _Call:
-    """One forward call's backward: started by any output node, ended by all frontier nodes."""
-
-    __slots__ = ("entry", "frontier", "left", "spec")
-
-    def __init__(self, spec: RegionSpec, frontier: int) -> None:
-        self.spec = spec
-        self.frontier = self.left = frontier
-        self.entry: list[Any] | None = None
-
-    def start(self, grad_outputs: Any) -> None:
-        if self.entry is not None:
-            return
-        region = self.spec.open()  # the spec has every=1: the forward call was the sample
-        if region is NULL_REGION:
-            return
-        task = _task_id()
-        if getattr(_tls, "task", None) != task:  # first backward region of this pass here
-            _tls.task = task
-            _queue_callback(_end_of_pass)
-        self.entry = [region, False, task]
-        _stack().append(self.entry)
-
-    def end(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        self.left -= 1
-        if self.left > 0:
-            return
-        self.left = self.frontier  # a retained graph may run backward again
-        entry, self.entry = self.entry, None
-        if entry is not None:
-            entry[1] = True
-            _unwind(_stack())
+def _register(node: Any, nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
+    """Hook ``node`` (once per forward call on this thread); the list of entries it opens."""
+    entries: list[list[Any]] = []
+    nodes[node] = entries
+    node.register_prehook(_partial(_on_node, node._sequence_nr(), entries))
+    return entries
 
 
-class _Starts:
-    """The pre-hook of one output node shared by several modules (a model's last layer and the
-    model): the outer module, hooked last, starts first, so the regions nest."""
-
-    __slots__ = ("calls",)
-
-    def __init__(self) -> None:
-        self.calls: list[_Call] = []
-
-    def __call__(self, grad_outputs: Any) -> None:
-        for call in self.calls:
-            call.start(grad_outputs)
-
-
-def _pending() -> dict[Any, _Starts]:
-    try:
-        pending: dict[Any, _Starts] = _tls.pending
-    except AttributeError:
-        pending = _tls.pending = {}
-    return pending
+def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
+    """Hook the backward of one forward call, whose pre-hook read ``first`` from
+    :func:`first_node` and the ``grad_fn`` of its inputs (one node or None for a single input
+    tensor, else :func:`input_nodes`). False when the call created no autograd node that
+    reaches its output."""
+    nodes = _tls.nodes
+    entry: list[Any] | None = None
+    if isinstance(output, _Tensor):
+        node = output.grad_fn
+        if node is not None and node._sequence_nr() >= first:
+            entry = [spec, first, None, None, 0]
+            entries = nodes.get(node)
+            if entries is None:  # _register, written out
+                entries = nodes[node] = [entry]
+                node.register_prehook(_partial(_on_node, node._sequence_nr(), entries))
+            else:
+                entries.insert(0, entry)  # hooked last, the outermost call: it opens first
+    else:
+        seen = []
+        for t in _tensors(output, []):
+            node = t.grad_fn
+            if node is not None and node not in seen and node._sequence_nr() >= first:
+                seen.append(node)
+                if entry is None:
+                    entry = [spec, first, None, None, 0]
+                entries = nodes.get(node)
+                if entries is None:
+                    entries = _register(node, nodes)
+                entries.insert(0, entry)
+    if entry is None:
+        return False
+    if type(inputs) is list:
+        for node in inputs:
+            if node is not None and node not in nodes:
+                _register(node, nodes)
+    elif inputs is not None and inputs not in nodes:
+        _register(inputs, nodes)
+    return True
 
 
 def forward_done() -> None:
     """The outermost instrumented forward call on this thread returned: forget its nodes."""
-    pending = getattr(_tls, "pending", None)
-    if pending:
-        pending.clear()
+    nodes = _tls.nodes
+    if nodes:
+        _tls.nodes = {}
 
 
-def _end_of_pass() -> None:
-    """The backward pass is over: close its regions still open on this thread."""
-    _tls.task = None
-    stack = _stack()
-    task = _task_id()
+def _finish(stack: list[list[Any]], task: int | None) -> None:
+    """Close this thread's regions of graph task ``task`` (all for None); one under a region
+    still open closes with it."""
     for entry in stack:
-        if entry[2] == task:
-            entry[1] = True
-    _unwind(stack)
+        if task is None or entry[TASK] == task:
+            entry[TASK] = _DONE
+    _close_above(stack, _NO_NODE)
+
+
+def _end_of_pass(stack: list[list[Any]]) -> None:
+    """The backward pass is over: close its regions still open on the thread whose ``stack``
+    this is. Autograd runs this on the thread that finished the pass; regions another thread
+    opened are marked to end now and close at that thread's next hook (a region's context
+    can only be detached on its own thread)."""
+    try:
+        task = _task_id()
+        if stack is _tls.stack:
+            _tls.task = None
+            _finish(stack, task)
+            return
+        t1 = now_ns()
+        for entry in stack:
+            if entry[TASK] == task:
+                entry[END] = t1
+                entry[TASK] = _DONE
+    except Exception as exc:  # as in _on_node
+        _warn(exc)
 
 
 def close_stale() -> None:
     """Close backward regions left open on this thread by a backward pass that raised."""
-    if _task_id() != -1:  # inside a backward pass (checkpointing recomputes forward there)
-        return
-    stack = getattr(_tls, "stack", None)
-    if stack:
-        _tls.task = None
-        for entry in stack:
-            entry[1] = True
-        _unwind(stack)
-
-
-def _is_leaf_node(node: Any) -> bool:
-    return type(node).__name__ == "AccumulateGrad"
-
-
-def track(spec: RegionSpec, boundary: set[Any], output: Any) -> bool:
-    """Hook the backward of one forward call; False when it has none (or it is too large)."""
-    starts = []
-    for t in _tensors(output, []):
-        node = t.grad_fn
-        if node is not None and node not in boundary and node not in starts:
-            starts.append(node)
-    if not starts:
-        return False
-    seen: set[Any] = set()
-    frontier = []
-    todo = list(starts)
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if len(seen) > _MAX_NODES:
-            return False
-        inner = False
-        for nxt, _ in node.next_functions:
-            if nxt is None or nxt in boundary or _is_leaf_node(nxt):
-                continue
-            inner = True
-            if nxt not in seen:
-                todo.append(nxt)
-        if not inner:
-            frontier.append(node)
-    call = _Call(spec, len(frontier))
-    pending = _pending()
-    for node in starts:
-        shared = pending.get(node)
-        if shared is None:
-            shared = pending[node] = _Starts()
-            node.register_prehook(shared)
-        shared.calls.insert(0, call)
-    for node in frontier:
-        node.register_hook(call.end)
-    return True
+    try:
+        if _task_id() != -1:  # inside a backward pass (checkpointing recomputes forward)
+            return
+        stack = _tls.stack
+        if stack:
+            _tls.task = None
+            _finish(stack, None)
+    except Exception as exc:  # as in _on_node
+        _warn(exc)

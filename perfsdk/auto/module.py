@@ -2,9 +2,13 @@
 
 Forward: a forward pre-hook enters the module's region and a forward hook registered with
 ``always_call=True`` exits it, so the region closes also when ``forward`` raises. Open regions
-sit on a per-thread stack; a hook exits only the region its own pre-hook opened.
+sit on a per-thread stack; a hook exits only the region its own pre-hook opened. Each module's
+region specs (names, NVTX attributes, ``perfsdk.module``) are built once, when it is
+instrumented.
 
-Backward: see :mod:`perfsdk.auto.backward` (autograd node hooks, no tensor is wrapped).
+Backward: see :mod:`perfsdk.auto.backward` (autograd sequence numbers and node pre-hooks: no
+graph walk, no tensor wrapped). The pre-hook reads the autograd node counter and its inputs'
+``grad_fn``; the forward hook hands both and the output to :func:`perfsdk.auto.backward.track`.
 
 Transformer fast path: ``nn.TransformerEncoderLayer`` takes its fused inference kernel
 (``aten::_transformer_encoder_layer_fwd``) only while no forward hook is attached to it or to any
@@ -39,7 +43,7 @@ from perfsdk.auto import backward as _bwd
 from perfsdk.auto.steps import autocast_dtype
 from perfsdk.config import state as _state
 from perfsdk.errors import warn_once
-from perfsdk.region import RegionSpec
+from perfsdk.region import NULL_REGION, RegionSpec
 
 __all__ = ["FAST_PATH_TYPES", "ModuleInstrumentation", "instrument_module"]
 
@@ -50,7 +54,9 @@ on. The submodules of a ``TransformerEncoderLayer`` are not instrumented."""
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _is_compiling = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
-_tls = threading.local()
+_first_node = _bwd.first_node
+_input_nodes = _bwd.input_nodes
+_Tensor = torch.Tensor
 
 Pattern = str | type[nn.Module]
 
@@ -65,69 +71,76 @@ def _spec(name: str, category: str, path: str, state: tuple[tuple[str, Any], ...
                              where="instrument_module")
 
 
-def _stack() -> list[tuple[Any, Any, Any]]:
-    try:
-        stack: list[tuple[Any, Any, Any]] = _tls.stack
-    except AttributeError:
-        stack = _tls.stack = []
-    return stack
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[_Probe, Any, int, Any]] = []
+        """The open forward regions on this thread: (probe, region, the call's first autograd
+        node number or -1 when its backward is not tracked, its inputs' ``grad_fn``)."""
+
+
+_tls = _State()
 
 
 class _Probe:
     """The regions of one instrumented module: enter before its forward, exit after."""
 
-    __slots__ = ("backward", "bwd", "root", "spec")
+    __slots__ = ("bwd", "root", "spec")
 
     def __init__(self, name: str, path: str, backward: bool, root: bool,
                  state: tuple[tuple[str, Any], ...] = ()) -> None:
         self.spec = _spec(name, "module", path, state)
         self.bwd = _spec(f"{name}.backward", "module.backward", path) if backward else None
-        self.backward = backward
         self.root = root
 
-    def enter(self, args: Any, kwargs: Any) -> None:
-        if not _state.enabled:
+    def pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Enter the module's region (a forward pre-hook, ``with_kwargs=True``)."""
+        if _is_compiling() or not _state.enabled:
             return
         spec = self.spec
-        if not spec.sampled():
-            return
-        if self.root:  # before entering: stale backward regions sit below the new one
-            _bwd.close_stale()
-        boundary = _bwd.input_nodes(args, kwargs) if self.backward and _grad_enabled() else None
-        region = spec.enter()
         if self.root:
+            if not spec.sampled():
+                return
+            _bwd.close_stale()  # before entering: stale backward regions sit below the new one
+            region = spec.enter()
             amp = autocast_dtype()
             if amp is not None:  # the model runs under the caller's autocast
                 region.set_attribute("perfsdk.amp", amp)
-        _stack().append((self, region, boundary))
+        else:
+            region = spec.open()  # NULL_REGION when sampled out: exited all the same
+        first = -1
+        inputs: Any = None
+        if self.bwd is not None and region is not NULL_REGION and _grad_enabled():
+            try:
+                if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
+                    inputs = args[0].grad_fn  # the common case, without a call
+                else:
+                    inputs = _input_nodes(args, kwargs)
+                first = _first_node()
+            except Exception as exc:  # our bookkeeping must never break the model
+                warn_once(f"auto-backward:{type(exc).__name__}",
+                          f"perfsdk: no backward region for {spec.name!r}: {exc!r}")
+        _tls.stack.append((self, region, first, inputs))
 
-    def exit(self, output: Any, error: BaseException | None) -> None:
-        stack = _stack()
+    def hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Exit the region the pre-hook entered (a forward hook, ``always_call=True``: torch
+        calls it from its ``except Exception`` block when forward raised, with output None,
+        and the exception being handled is the forward's)."""
+        if _is_compiling():
+            return
+        stack = _tls.stack
         if not stack or stack[-1][0] is not self:  # not entered (disabled, sampled out)
             return
-        _, region, boundary = stack.pop()
+        _, region, first, inputs = stack.pop()
+        error = sys.exc_info()[1] if output is None else None
         region.exit(error)
-        if boundary is not None and error is None and self.bwd is not None:
+        if first >= 0 and error is None:
             try:
-                _bwd.track(self.bwd, boundary, output)
+                _bwd.track(self.bwd, first, inputs, output)  # type: ignore[arg-type]
             except Exception as exc:  # our bookkeeping must never break the model
                 warn_once(f"auto-backward:{type(exc).__name__}",
                           f"perfsdk: no backward region for {self.spec.name!r}: {exc!r}")
         if not stack:
             _bwd.forward_done()
-
-    # -- as module hooks
-    def pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if _is_compiling():
-            return
-        self.enter(args, kwargs)
-
-    def hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if _is_compiling():
-            return
-        # always_call=True: torch calls this from its ``except Exception`` block when forward
-        # raised, with output None; the exception being handled is the forward's.
-        self.exit(output, sys.exc_info()[1] if output is None else None)
 
 
 def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None) -> Callable[..., Any]:
@@ -142,16 +155,16 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None) -> Callabl
             if inner is not None:
                 return inner(*args, **kwargs)
             return type(self).forward(self, *args, **kwargs)
-        probe.enter(args, kwargs)
+        probe.pre_hook(self, args, kwargs)
         try:
             if inner is not None:
                 output = inner(*args, **kwargs)
             else:
                 output = type(self).forward(self, *args, **kwargs)
-        except BaseException as exc:
-            probe.exit(None, exc)
+        except BaseException:
+            probe.hook(self, args, kwargs, None)  # sees the exception being handled
             raise
-        probe.exit(output, None)
+        probe.hook(self, args, kwargs, output)
         return output
 
     forward.__perfsdk_probe__ = probe  # type: ignore[attr-defined]

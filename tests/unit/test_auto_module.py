@@ -3,6 +3,7 @@ Transformer fast path kept (seen by torch.profiler), one graph under torch.compi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 
@@ -231,6 +232,223 @@ def test_backward_that_raises_leaves_no_region_open():
     assert len(roots) == 2
     assert roots[1].parent_span_id == 0
     assert len(cap.named("Net.backward")) == 2
+
+
+# -- where backward regions start and end (autograd sequence numbers) ----------------------------
+def _profile(fn):  # type: ignore[no-untyped-def]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return prof.events()
+
+
+def _event(events, name):  # type: ignore[no-untyped-def]
+    found = [e for e in events if e.name == name]
+    assert len(found) == 1, (name, len(found))
+    return found[0]
+
+
+def _contains(outer, inner) -> bool:  # type: ignore[no-untyped-def]
+    return (outer.time_range.start <= inner.time_range.start
+            and inner.time_range.end <= outer.time_range.end)
+
+
+def test_a_backward_region_ends_where_its_input_s_backward_starts():
+    """Only the Linears are instrumented: each one's backward holds its own nodes and ends when
+    the uninstrumented node that made its input starts (a ReLU's, the model input's exp)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4, requires_grad=True)
+    with capture() as cap, instrument_module(model, include=nn.Linear) as h:
+        events = _profile(lambda: model(x.exp()).sum().backward())
+    assert h.regions == ["Sequential.0", "Sequential.2"]
+    assert sorted(r.name for r in cap.regions) == [
+        "Sequential.0", "Sequential.0.backward", "Sequential.2", "Sequential.2.backward"]
+    first, second = (_event(events, f"Sequential.{i}.backward") for i in (0, 2))
+    addmm = sorted((e for e in events if e.name == "AddmmBackward0"),
+                   key=lambda e: e.time_range.start)
+    relus = sorted((e for e in events if e.name == "ReluBackward0"),
+                   key=lambda e: e.time_range.start)
+    exp = _event(events, "ExpBackward0")
+    assert len(addmm) == len(relus) == 2
+    assert _contains(second, addmm[0])
+    assert _contains(first, addmm[1])
+    assert second.time_range.end <= relus[1].time_range.start  # the ReLU between them
+    assert relus[1].time_range.end <= first.time_range.start
+    assert first.time_range.end <= exp.time_range.start
+    assert cap.named("Sequential.0.backward")[0].parent_span_id == 0  # siblings, not nested
+
+
+@contextlib.contextmanager
+def _counting_registrations():  # type: ignore[no-untyped-def]
+    """The sequence numbers of the autograd nodes instrument_module hooks, in order."""
+    import perfsdk.auto.backward as bwd
+
+    registered = []
+    original = bwd._partial
+
+    def counting(fn, *args):  # type: ignore[no-untyped-def]
+        if fn is bwd._on_node:  # a node's pre-hook, partial(_on_node, seq, entries)
+            registered.append(args[0])
+        return original(fn, *args)
+
+    bwd._partial = counting
+    try:
+        yield registered
+    finally:
+        bwd._partial = original
+
+
+def test_a_node_that_ends_one_call_and_starts_another_has_one_hook():
+    """The outer module returns the tensor it passed to the inner one: that node is the inner
+    call's input (where its backward ends) and the outer call's output (where its starts)."""
+    class Inner(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.exp()
+            self.inner(y)  # its result unused: only y reaches the output
+            return y
+
+    model = Outer()
+    with capture() as cap, instrument_module(model), _counting_registrations() as registered:
+        out = model(torch.ones(2, requires_grad=True))
+        out.sum().backward()
+    # Inner's output node (x * 2, never run) and y's node, once: Inner's end, Outer's start
+    exp = out.grad_fn._sequence_nr()  # type: ignore[union-attr]
+    assert registered == [exp + 1, exp]
+    assert Counter(r.name for r in cap.regions) == Counter(
+        {"Outer": 1, "Outer.inner": 1, "Outer.backward": 1})
+
+
+def test_a_failure_in_backward_bookkeeping_never_breaks_backward(monkeypatch):
+    import perfsdk.auto.backward as bwd
+    from perfsdk.errors import PerfSDKWarning, counts
+
+    def broken(callback) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("bookkeeping")
+
+    model, x = _net()
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with capture() as cap, instrument_module(model):
+        monkeypatch.setattr(bwd, "_queue_callback", broken)
+        with pytest.warns(PerfSDKWarning, match="bookkeeping"):
+            model(x).sum().backward()
+        monkeypatch.undo()
+        assert not isinstance(current_span(), Region)
+        model(x).sum().backward()  # and the next step records again
+    assert all(torch.equal(p.grad, 2 * g) for p, g in zip(model.parameters(), expected,
+                                                           strict=True))
+    assert counts()["auto-backward:RuntimeError"] >= 1
+    assert len(cap.named("SimpleNet")) == 2
+    assert len(cap.named("SimpleNet.backward")) == 1
+
+
+def test_parallel_branches_get_one_backward_region_each_inside_their_parent():
+    class Fork(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * self.b(x)
+
+    torch.manual_seed(0)
+    model = Fork()
+    with capture() as cap, instrument_module(model):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    by_id = _by_id(cap.regions)
+    [fork] = cap.named("Fork.backward")
+    [a] = cap.named("Fork.a.backward")
+    [b] = cap.named("Fork.b.backward")
+    assert by_id[a.parent_span_id] is fork
+    assert by_id[b.parent_span_id] is fork
+    assert _inside(a, fork)
+    assert _inside(b, fork)
+    assert b.end_ns <= a.start_ns  # b was created last: its backward runs first, apart
+
+
+def test_a_retained_graph_records_each_backward_pass():
+    model, x = _net()
+    with capture() as cap, instrument_module(model):
+        out = model(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+        assert not isinstance(current_span(), Region)
+    assert len(cap.named("SimpleNet")) == 1
+    assert len(cap.named("SimpleNet.backward")) == 2
+    assert len(cap.named("SimpleNet.conv1.backward")) == 2
+    assert len(cap.named("SimpleNet.relu.backward")) == 8
+
+
+def test_a_module_that_returns_its_input_gets_no_backward_region():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Dropout(0.5).eval())
+    with capture() as cap, instrument_module(model):
+        model(torch.ones(2, 4)).sum().backward()
+    names = Counter(r.name for r in cap.regions)
+    assert names == Counter({"Sequential": 1, "Sequential.0": 1, "Sequential.1": 1,
+                             "Sequential.2": 1, "Sequential.backward": 1,
+                             "Sequential.0.backward": 1})
+
+
+def test_no_backward_tracking_without_grad_or_graph():
+    model, x = _net()
+    with capture() as cap, instrument_module(model):
+        with torch.no_grad():
+            model(x)
+        model.requires_grad_(False)
+        out = model(x)  # no parameter needs grad, nor the input: no autograd graph at all
+    assert out.grad_fn is None
+    assert not [r for r in cap.regions if r.name.endswith(".backward")]
+    assert len(cap.named("SimpleNet")) == 2
+
+
+def test_reentrant_checkpoint_backward_regions_balance_and_nest():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = Ckpt()
+    with capture() as cap, instrument_module(model):
+        for _ in range(2):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+            assert not isinstance(current_span(), Region)
+    names = Counter(r.name for r in cap.regions)
+    assert names["Ckpt.backward"] == names["Ckpt.head.backward"] == 2
+    # the first forward runs the block under no_grad; its recomputation in backward is tracked
+    assert names["Ckpt.block"] == 4
+    assert names["Ckpt.block.backward"] == names["Ckpt.block.0.backward"] == 2
+    by_id = _by_id(cap.regions)
+    for r in cap.named("Ckpt.block.backward"):
+        assert by_id[r.parent_span_id].name == "Ckpt.backward"
+    for r in cap.named("Ckpt.block.0.backward"):
+        assert by_id[r.parent_span_id].name == "Ckpt.block.backward"
+
+
+def test_one_pre_hook_per_node_between_consecutive_layers():
+    """Consecutive layers share their hooks: a ReLU's output node starts the ReLU's region and
+    ends the next Linear's, with one hook."""
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(4, 4), nn.ReLU())])
+    with capture() as cap, instrument_module(model), _counting_registrations() as registered:
+        model(torch.ones(2, 4)).sum().backward()
+    assert len(registered) == len(set(registered)) == 8  # one per layer's output node
+    assert len([r for r in cap.regions if r.name.endswith(".backward")]) == 9
 
 
 # -- Transformer fast path ---------------------------------------------------------------------
