@@ -179,8 +179,19 @@ def largest_free_block(segments: Any) -> int:
 
 
 TRACKER = MemoryTracker()
+def _statm_after_fork() -> None:
+    """A forked child's descriptor still reads its parent's ``/proc/<pid>/statm``: reopen."""
+    if _statm and _statm[0] is not None:
+        try:
+            os.close(_statm[0])
+        except OSError:
+            pass
+    _statm.clear()
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=TRACKER.after_fork)
+    os.register_at_fork(after_in_child=_statm_after_fork)
 
 
 # -- OOM forensics -----------------------------------------------------------------------------

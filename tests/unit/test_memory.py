@@ -306,3 +306,33 @@ def test_a_region_entered_soon_after_a_reading_reuses_it(monkeypatch):
     tracker.after_fork()  # a child reads afresh
     token = tracker.enter()
     assert len(reads) == 6
+
+
+def _child_rss(queue) -> None:  # runs in a forked child
+    from perfsdk.memory import current_rss
+
+    grown = bytearray(256 << 20)  # touched: 256 MiB resident in the child only
+    grown[:: 4096] = b"\1" * len(grown[:: 4096])
+    with open("/proc/self/statm") as f:
+        fresh = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    queue.put((current_rss(), fresh))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc/self/statm"),
+                    reason="needs fork and /proc")
+def test_current_rss_in_a_forked_child_reads_the_childs_own() -> None:
+    """The descriptor opened in the parent names the parent's /proc/<pid>/statm; the child's
+    reading must be its own (it grew by 256 MiB that the parent never had)."""
+    import multiprocessing
+
+    from perfsdk.memory import current_rss
+
+    assert current_rss() is not None  # the parent opens its descriptor first
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_rss, args=(queue,))
+    child.start()
+    reading, fresh = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert reading is not None
+    assert abs(reading - fresh) < (64 << 20)  # its own RSS, not the parent's 256 MiB less
