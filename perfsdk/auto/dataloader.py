@@ -27,6 +27,11 @@ def _data_spec() -> RegionSpec:
     return RegionSpec.create("data_wait", category="data", where="instrument_dataloader")
 
 
+def _in_data_wait() -> bool:
+    current = current_span()
+    return isinstance(current, Region) and current.name == "data_wait"
+
+
 class DataWaitIterator(Generic[T]):
     """Each ``next()`` inside a ``data_wait`` region with ``perfsdk.batch``; a ``next()`` made
     inside a ``data_wait`` region already open (a framework's integration, e.g. the Lightning
@@ -44,9 +49,8 @@ class DataWaitIterator(Generic[T]):
 
     def __next__(self) -> T:
         batch = self._batch
-        current = current_span()
         if (not _state.enabled or (self._length is not None and batch >= self._length)
-                or (isinstance(current, Region) and current.name == "data_wait")):
+                or _in_data_wait()):
             item = next(self._inner)  # the wait for the end is not a batch's
             self._batch = batch + 1
             return item
