@@ -60,8 +60,8 @@ from perfsdk.pipeline import FORK as _FORK
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult
 
-__all__ = ["NULL_REGION", "NullRegion", "Region", "RegionResult", "RegionSpec", "now_ns",
-           "set_host_clock", "validate_attributes"]
+__all__ = ["NULL_REGION", "InnerRegion", "NullRegion", "Region", "RegionResult", "RegionSpec",
+           "now_ns", "set_host_clock", "validate_attributes"]
 
 _perf_ns = time.perf_counter_ns  # the host clock regions read (perfsdk.testing can swap it)
 _ids = random.Random()  # a generator of our own, seeded from os.urandom: a program's
@@ -90,6 +90,7 @@ _cur_get = None if _ctx.CURRENT is None else _ctx.CURRENT.get
 _cur_set = None if _ctx.CURRENT is None else _ctx.CURRENT.set
 _cur_reset = _detach if _ctx.CURRENT is None else _ctx.CURRENT.reset
 _alloc = object.__new__  # a Region without its __init__ (the gate sets every field at entry)
+_new_tuple = tuple.__new__  # an InnerRegion without a Python-level __new__
 
 AttributeValue = str | bool | int | float | tuple[Any, ...] | list[Any]
 
@@ -197,6 +198,49 @@ class RegionSpec:
         if not _state.nvtx or self.nvtx.domain is None:
             return NULL_REGION
         return _alloc(Region)._start(self, attributes)
+
+    def open_inner(self) -> Region | NullRegion | InnerRegion:
+        """The gate of :meth:`open`, for a region that nests directly in the current
+        :class:`Region` of this thread (a submodule's forward inside its model's region):
+        when nothing needs a Region of its own, the entry is an :class:`InnerRegion`, which
+        records the same span (same name, ids, nesting, times, error) for a fraction of the
+        cost, else what :meth:`open` returns.
+
+        An inner entry is not made current; the Region it nests in stands for it
+        (:attr:`Region.inner_id`), so regions and OpenTelemetry spans started inside it are
+        still its children. It needs: timing on; no torch profiler (record_function); no
+        memory readings for this region; CUDA not initialized (no device events); and a
+        current Region of this thread, timed, still open, entered in this process. Otherwise
+        the entry is a Region, as from :meth:`open`.
+        """
+        if not _state.enabled:
+            return NULL_REGION
+        n = self.every or _state.sample_every
+        if n != 1 and next(self.calls) % n:
+            return NULL_REGION
+        if _state.timing and _cur_get is not None:
+            owner = _cur_get()
+            if _SPAN_KEY is not None:
+                owner = owner.get(_SPAN_KEY)
+            memory = self.memory
+            if (type(owner) is Region and owner._timed and not owner.t1
+                    and owner.thread_id == _get_ident() and owner._gen == _FORK.generation
+                    and not (memory or (memory is None and _state.memory))
+                    and not _profiler_enabled() and not _device._is_initialized()):
+                dom = rid = None
+                if _state.nvtx:
+                    dom = self.nvtx.domain
+                    if dom is not None:
+                        if self.asynchronous:
+                            rid = dom.start_range(self.nvtx.attributes)
+                        else:
+                            dom.push_range(self.nvtx.attributes)
+                outer = owner.inner_id
+                owner.inner_id = span_id = _getrandbits(64) or 1
+                return _new_tuple(InnerRegion, (owner, self.index, span_id,
+                                                outer or owner.span_id, outer, dom, rid,
+                                                _perf_ns()))
+        return self.enter()
 
     def open_handle(self, attributes: dict[str, Any] | None = None) -> Region:
         """The gate for entries handed to the user (``timed_region``, steps): a Region of its
@@ -345,6 +389,52 @@ class _NvtxRange(NullRegion):
         return "<NullRegion NVTX-only>"
 
 
+class InnerRegion(tuple):  # type: ignore[type-arg]
+    """An entry of :meth:`RegionSpec.open_inner`: a region nested directly in the current
+    :class:`Region` (its *owner*) of the same thread, which stands for it as the current span
+    (``owner.inner_id``) instead of this entry becoming current itself. Enter pushed its NVTX
+    range and read the clock; :meth:`exit` reads the clock, pops the range and queues the same
+    record a :class:`Region` would: its own span id, the innermost entry open around it (or the
+    owner) as parent, the owner's trace and thread. A plain tuple, made without a Python call:
+    (owner, spec index, span id, parent id, the owner's ``inner_id`` before it, NVTX domain or
+    None, NVTX range id of a start/end range or None for a push/pop one, host t0)."""
+
+    __slots__ = ()
+    recorded: Final = True
+
+    def exit(self, error: BaseException | None = None, t1: int = 0) -> None:
+        """End the entry: its record goes to the pipeline (as :meth:`Region.exit`)."""
+        if not t1:
+            t1 = _perf_ns()
+        owner, index, span_id, parent_id, outer, dom, rid, t0 = self
+        owner.inner_id = outer
+        if dom is not None:
+            if rid is None:
+                dom.pop_range()
+            else:
+                dom.end_range(rid)
+        attributes = None
+        if error is not None and isinstance(error, torch.OutOfMemoryError):
+            attributes = _memory.oom_attributes(None) or None
+        record = (index, owner.trace_id, span_id, parent_id, t0, t1, owner.thread_id, error,
+                  attributes, None, None, None, None, None, None)
+        if len(_queue) < PIPELINE.max_pending:  # PIPELINE.submit(record)
+            _enqueue(record)
+        else:
+            PIPELINE.spill(record)
+
+    @property
+    def span_id(self) -> int:
+        return int(self[2])
+
+    @property
+    def parent_id(self) -> int:
+        return int(self[3])
+
+    def __repr__(self) -> str:
+        return f"<InnerRegion {_record.SPECS[self[1]].name!r} in {self[0]!r}>"
+
+
 class Region(_ctx.SpanBase):  # type: ignore[misc]
     """One entry into a region; also the OpenTelemetry current span while its body runs.
 
@@ -358,13 +448,17 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
     __slots__ = (
         "_attributes", "_gen", "_mem", "_nvtx", "_range_id", "_rf", "_timed", "_token",
         "device_ms",
-        "end_event", "entered", "error", "events", "memory", "parent_id", "resolved", "span_id",
-        "spec", "start_event", "t0", "t1", "thread_id", "trace_id",
+        "end_event", "entered", "error", "events", "inner_id", "memory", "parent_id", "resolved",
+        "span_id", "spec", "start_event", "t0", "t1", "thread_id", "trace_id",
     )
     trace_id: int
     span_id: int
     parent_id: int
     thread_id: int
+    inner_id: int
+    """The span id of the innermost :class:`InnerRegion` open in this region (0: none). While
+    one is open, this region stands for it as the current span: regions and OpenTelemetry
+    spans started then get it as their parent (:meth:`get_span_context` says so)."""
 
     def __init__(self, spec: RegionSpec, attributes: dict[str, Any] | None = None) -> None:
         """An entry not entered yet (a handle; :meth:`enter` enters it). The gate makes its
@@ -378,6 +472,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.error: BaseException | None = None
         self.resolved = False
         self.entered = False
+        self.inner_id = 0
         self.t0 = 0
         self.t1 = 0
         self._rf: Any = None
@@ -401,6 +496,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         self.memory = None
         self.resolved = False
         self.entered = True
+        self.inner_id = 0
         self.t1 = 0
         self._rf = None
         self._mem = None
@@ -436,7 +532,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
             parent = _current_span()
         if type(parent) is Region:
             self.trace_id = parent.trace_id
-            self.parent_id = parent.span_id
+            self.parent_id = parent.inner_id or parent.span_id
         elif parent is None:
             self.trace_id = _getrandbits(128) or 1
             self.parent_id = 0
@@ -625,7 +721,9 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
 
     # -- the OpenTelemetry Span interface (so user code can annotate the current region) ----
     def get_span_context(self) -> Any:
-        return _ctx.span_context(self.trace_id, self.span_id)
+        """This region's ids; while an :class:`InnerRegion` is open in it, that one's (so an
+        OpenTelemetry span started inside it is its child)."""
+        return _ctx.span_context(self.trace_id, self.inner_id or self.span_id)
 
     def is_recording(self) -> bool:
         return not self.t1

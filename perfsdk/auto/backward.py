@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import OrderedDict as _OrderedDict
 from typing import Any
 
 import torch
@@ -127,7 +128,9 @@ def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
             if tls.task != task:  # the first region this pass opens on this thread
                 _queue_callback(_partial(_end_of_pass, stack))
                 tls.task = task
-            region = entry[SPEC].open()  # every=1: the forward call was the sample
+            # every=1: the forward call was the sample; an InnerRegion when it nests in the
+            # current Region (the outermost backward region open, usually)
+            region = entry[SPEC].open_inner()
             if region is NULL_REGION:
                 continue
             entry[REGION] = region
@@ -151,6 +154,28 @@ def _register(node: Any, nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
     return entries
 
 
+_HOOK_KEY = "perfsdk.backward"
+"""Our key in a tensor's ``_backward_hooks`` (torch's own keys are ints)."""
+
+
+def _register_output(tensor: torch.Tensor, node: Any, seq: int,
+                     nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
+    """Hook ``node``, the ``grad_fn`` of ``tensor``: as :func:`_register`, but through the
+    tensor, the way ``Tensor.register_hook`` does it without its ``RemovableHandle`` (a third
+    of the cost; nothing here is ever removed: the hook goes with the graph). A tensor hook
+    runs when the tensor's gradient is ready, just before ``node`` runs: when ``node``'s
+    pre-hook would. A tensor that has hooks already (the user's) gets a node pre-hook."""
+    entries: list[list[Any]] = []
+    nodes[node] = entries
+    hook = _partial(_on_node, seq, entries)
+    if type(tensor) is _Tensor and tensor._backward_hooks is None:
+        tensor._backward_hooks = _OrderedDict(((_HOOK_KEY, hook),))  # as torch's (weakref-able)
+        node._register_hook_dict(tensor)
+    else:
+        node.register_prehook(hook)
+    return entries
+
+
 def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
     """Hook the backward of one forward call, whose pre-hook read ``first`` from
     :func:`first_node` and the ``grad_fn`` of its inputs (one node or None for a single input
@@ -160,25 +185,28 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
     entry: list[Any] | None = None
     if isinstance(output, _Tensor):
         node = output.grad_fn
-        if node is not None and node._sequence_nr() >= first:
-            entry = [spec, first, None, None, 0]
-            entries = nodes.get(node)
-            if entries is None:  # _register, written out
-                entries = nodes[node] = [entry]
-                node.register_prehook(_partial(_on_node, node._sequence_nr(), entries))
-            else:
+        if node is not None:
+            seq = node._sequence_nr()
+            if seq >= first:
+                entry = [spec, first, None, None, 0]
+                entries = nodes.get(node)
+                if entries is None:
+                    entries = _register_output(output, node, seq, nodes)
                 entries.insert(0, entry)  # hooked last, the outermost call: it opens first
     else:
         seen = []
         for t in _tensors(output, []):
             node = t.grad_fn
-            if node is not None and node not in seen and node._sequence_nr() >= first:
+            if node is None or node in seen:
+                continue
+            seq = node._sequence_nr()
+            if seq >= first:
                 seen.append(node)
                 if entry is None:
                     entry = [spec, first, None, None, 0]
                 entries = nodes.get(node)
                 if entries is None:
-                    entries = _register(node, nodes)
+                    entries = _register_output(t, node, seq, nodes)
                 entries.insert(0, entry)
     if entry is None:
         return False

@@ -1,35 +1,38 @@
 """``instrument_module``: a region per submodule, for forward and backward.
 
-Forward: a forward pre-hook enters the module's region and a forward hook registered with
-``always_call=True`` exits it, so the region closes also when ``forward`` raises. Open regions
-sit on a per-thread stack; a hook exits only the region its own pre-hook opened. Each module's
+Forward: each instrumented module's ``forward`` is replaced, on the instance, by a wrapper that
+enters the module's region, calls the module's own ``forward`` and exits the region, also when
+it raises. Not forward hooks: a module with any hook takes ``nn.Module.__call__``'s slow path on
+every call, which costs more than a region (so hand-written NVTX hooks cost more than the
+range); a wrapper keeps the fast path and holds its region in its own locals. Each module's
 region specs (names, NVTX attributes, ``perfsdk.module``) are built once, when it is
-instrumented.
+instrumented. A submodule's region rides on its model's (``RegionSpec.open_inner``: no Region
+object, the model's region stands for it as the current span), so a model of many small modules
+pays little more per module than the NVTX range.
 
-Backward: see :mod:`perfsdk.auto.backward` (autograd sequence numbers and node pre-hooks: no
-graph walk, no tensor wrapped). The pre-hook reads the autograd node counter and its inputs'
-``grad_fn``; the forward hook hands both and the output to :func:`perfsdk.auto.backward.track`.
+Backward: see :mod:`perfsdk.auto.backward` (autograd sequence numbers and tensor / node hooks:
+no graph walk, no tensor wrapped). The wrapper reads the autograd node counter and its inputs'
+``grad_fn`` before the forward, and hands both and the output to
+:func:`perfsdk.auto.backward.track` after it.
 
 Transformer fast path: ``nn.TransformerEncoderLayer`` takes its fused inference kernel
 (``aten::_transformer_encoder_layer_fwd``) only while no forward hook is attached to it or to any
-of its submodules. ``TransformerEncoder`` and ``TransformerEncoderLayer`` are therefore timed by
-a wrapper of that one module's ``forward`` (an instance attribute, no hook) and the layers'
-submodules (``self_attn``, ``linear1`` ...) get nothing: each layer is one region.
+of its submodules; wrappers are no hooks, and a layer's submodules (``self_attn``, ``linear1``
+...) get nothing, so each layer is one region, as the fused kernel runs it.
 
 The model's own region also records what it runs with: ``perfsdk.transforms`` and
 ``perfsdk.amp`` from ``perfsdk.optimize.applied(model)`` at the time of the call, and
 ``perfsdk.amp`` when the caller's ``torch.autocast`` is on at its forward.
 
-``torch.compile``: every hook and wrapper starts with ``torch.compiler.is_dynamo_compiling()``,
-which dynamo folds to True, so a compiled model traces to one graph with nothing recorded inside
-it (time it from outside, e.g. with a step region).
+``torch.compile``: every wrapper starts with ``torch.compiler.is_dynamo_compiling()``, which
+dynamo folds to True, so a compiled model traces to one graph with nothing recorded inside it
+(time it from outside, e.g. with a step region).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -48,8 +51,8 @@ from perfsdk.region import NULL_REGION, RegionSpec
 __all__ = ["FAST_PATH_TYPES", "ModuleInstrumentation", "instrument_module"]
 
 FAST_PATH_TYPES: tuple[type[nn.Module], ...] = (nn.TransformerEncoder, nn.TransformerEncoderLayer)
-"""Modules timed by a ``forward`` wrapper instead of hooks, so their fused inference path stays
-on. The submodules of a ``TransformerEncoderLayer`` are not instrumented."""
+"""Modules with a fused inference path (one kernel per layer): the submodules of a
+``TransformerEncoderLayer`` are not instrumented, so the layer is one region."""
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _is_compiling = torch.compiler.is_dynamo_compiling
@@ -73,16 +76,16 @@ def _spec(name: str, category: str, path: str, state: tuple[tuple[str, Any], ...
 
 class _State(threading.local):
     def __init__(self) -> None:
-        self.stack: list[tuple[_Probe, Any, int, Any]] = []
-        """The open forward regions on this thread: (probe, region, the call's first autograd
-        node number or -1 when its backward is not tracked, its inputs' ``grad_fn``)."""
+        self.depth = 0
+        """Instrumented forward calls open on this thread whose backward is tracked: at 0
+        again the outermost returned, and the autograd nodes hooked in it are forgotten."""
 
 
 _tls = _State()
 
 
 class _Probe:
-    """The regions of one instrumented module: enter before its forward, exit after."""
+    """The regions of one instrumented module: built once, when it is instrumented."""
 
     __slots__ = ("bwd", "root", "spec")
 
@@ -92,82 +95,94 @@ class _Probe:
         self.bwd = _spec(f"{name}.backward", "module.backward", path) if backward else None
         self.root = root
 
-    def pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Enter the module's region (a forward pre-hook, ``with_kwargs=True``)."""
-        if _is_compiling() or not _state.enabled:
-            return
+    def enter_root(self) -> Any:
+        """The model's own region (NULL_REGION when sampled out): stale backward regions
+        closed first, the caller's autocast noted."""
         spec = self.spec
-        if self.root:
-            if not spec.sampled():
-                return
-            _bwd.close_stale()  # before entering: stale backward regions sit below the new one
-            region = spec.enter()
-            amp = autocast_dtype()
-            if amp is not None:  # the model runs under the caller's autocast
-                region.set_attribute("perfsdk.amp", amp)
-        else:
-            region = spec.open()  # NULL_REGION when sampled out: exited all the same
-        first = -1
-        inputs: Any = None
-        if self.bwd is not None and region is not NULL_REGION and _grad_enabled():
-            try:
-                if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
-                    inputs = args[0].grad_fn  # the common case, without a call
-                else:
-                    inputs = _input_nodes(args, kwargs)
-                first = _first_node()
-            except Exception as exc:  # our bookkeeping must never break the model
-                warn_once(f"auto-backward:{type(exc).__name__}",
-                          f"perfsdk: no backward region for {spec.name!r}: {exc!r}")
-        _tls.stack.append((self, region, first, inputs))
+        if not spec.sampled():
+            return NULL_REGION
+        _bwd.close_stale()  # before entering: stale backward regions sit below the new one
+        region = spec.enter()
+        amp = autocast_dtype()
+        if amp is not None:  # the model runs under the caller's autocast
+            region.set_attribute("perfsdk.amp", amp)
+        return region
 
-    def hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """Exit the region the pre-hook entered (a forward hook, ``always_call=True``: torch
-        calls it from its ``except Exception`` block when forward raised, with output None,
-        and the exception being handled is the forward's)."""
-        if _is_compiling():
-            return
-        stack = _tls.stack
-        if not stack or stack[-1][0] is not self:  # not entered (disabled, sampled out)
-            return
-        _, region, first, inputs = stack.pop()
-        error = sys.exc_info()[1] if output is None else None
-        region.exit(error)
-        if first >= 0 and error is None:
-            try:
-                _bwd.track(self.bwd, first, inputs, output)  # type: ignore[arg-type]
-            except Exception as exc:  # our bookkeeping must never break the model
-                warn_once(f"auto-backward:{type(exc).__name__}",
-                          f"perfsdk: no backward region for {self.spec.name!r}: {exc!r}")
-        if not stack:
+    def begin_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any]:
+        """What tracking this call's backward needs from before its forward: the first
+        autograd node number it may create and its inputs' ``grad_fn``; (-1, None) if none."""
+        try:
+            if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
+                return _first_node(), args[0].grad_fn  # the common case, without a call
+            return _first_node(), _input_nodes(args, kwargs)
+        except Exception as exc:  # our bookkeeping must never break the model
+            warn_once(f"auto-backward:{type(exc).__name__}",
+                      f"perfsdk: no backward region for {self.spec.name!r}: {exc!r}")
+            return -1, None
+
+    def end_backward(self, first: int, inputs: Any, output: Any) -> None:
+        """After a forward that returned: hook its backward (see perfsdk.auto.backward)."""
+        try:
+            _bwd.track(self.bwd, first, inputs, output)  # type: ignore[arg-type]
+        except Exception as exc:  # our bookkeeping must never break the model
+            warn_once(f"auto-backward:{type(exc).__name__}",
+                      f"perfsdk: no backward region for {self.spec.name!r}: {exc!r}")
+
+
+def _leave(first: int) -> None:
+    """A tracked call returned or raised: the outermost one forgets its hooked nodes."""
+    if first >= 0:
+        tls = _tls
+        tls.depth -= 1
+        if not tls.depth:
             _bwd.forward_done()
 
 
-def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None) -> Callable[..., Any]:
-    """A ``forward`` for a fast-path module (bound to it as an instance attribute).
+def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
+                     declared: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``forward`` that times a module (bound to it as an instance attribute).
 
     ``inner`` is an instance ``forward`` that was already there, else the class's is used (found
-    through ``type(self)``, so a deep copy of the module calls its own).
+    through ``type(self)``, so a deep copy of the module calls its own); ``declared`` is the
+    class's, for ``inspect.signature`` (``__wrapped__``). A wrapper, not hooks:
+    a module without hooks keeps ``nn.Module.__call__``'s fast path (hooks send every call of
+    the module through its slow path, which costs more than the region), and the region is in
+    the wrapper's locals, with no stack to pair hooks. A submodule's region is usually an
+    :class:`~perfsdk.region.InnerRegion` riding on its model's (``RegionSpec.open_inner``).
     """
+    spec = probe.spec
+    track = probe.bwd is not None
+    enter_root = probe.enter_root if probe.root else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
+        if _is_compiling() or not _state.enabled:
             if inner is not None:
                 return inner(*args, **kwargs)
             return type(self).forward(self, *args, **kwargs)
-        probe.pre_hook(self, args, kwargs)
+        region = spec.open_inner() if enter_root is None else enter_root()
+        first = -1
+        if track and region is not NULL_REGION and _grad_enabled():
+            first, inputs = probe.begin_backward(args, kwargs)
+            if first >= 0:
+                _tls.depth += 1
         try:
             if inner is not None:
                 output = inner(*args, **kwargs)
             else:
                 output = type(self).forward(self, *args, **kwargs)
-        except BaseException:
-            probe.hook(self, args, kwargs, None)  # sees the exception being handled
+        except BaseException as exc:
+            region.exit(exc)
+            _leave(first)
             raise
-        probe.hook(self, args, kwargs, output)
+        region.exit(None)
+        if first >= 0:
+            probe.end_backward(first, inputs, output)
+            _leave(first)
         return output
 
     forward.__perfsdk_probe__ = probe  # type: ignore[attr-defined]
+    if inner is None:  # the signature of the module's forward, for code that inspects it
+        forward.__wrapped__ = declared  # type: ignore[attr-defined]
     return forward
 
 
@@ -177,8 +192,8 @@ class ModuleInstrumentation:
     Attributes:
         regions: The forward region name of every instrumented module, in ``named_modules()``
             order (``SimpleNet``, ``SimpleNet.conv1`` ...).
-        hooked: The subset timed by module hooks.
-        wrapped: The subset timed by a ``forward`` wrapper (Transformer fast-path modules).
+        hooked: Empty: kept for code written when modules were timed by hooks.
+        wrapped: The modules timed by a ``forward`` wrapper: all of them.
         skipped: Submodules left alone to keep a fast path (children of a
             ``TransformerEncoderLayer``).
     """
@@ -189,13 +204,10 @@ class ModuleInstrumentation:
         self.hooked: list[str] = []
         self.wrapped: list[str] = []
         self.skipped: list[str] = []
-        self._handles: list[Any] = []
         self._wrappers: list[tuple[nn.Module, Any]] = []
 
     def remove(self) -> None:
         """Remove every hook and wrapper; idempotent."""
-        while self._handles:
-            self._handles.pop().remove()
         while self._wrappers:
             module, previous = self._wrappers.pop()
             if previous is None:
@@ -211,8 +223,8 @@ class ModuleInstrumentation:
         self.remove()
 
     def __repr__(self) -> str:
-        return (f"<ModuleInstrumentation of {type(self.model).__name__}: {len(self.hooked)} "
-                f"hooked, {len(self.wrapped)} wrapped, {len(self.skipped)} skipped>")
+        return (f"<ModuleInstrumentation of {type(self.model).__name__}: {len(self.wrapped)} "
+                f"wrapped, {len(self.skipped)} skipped>")
 
 
 def _patterns(arg: str, value: Any) -> tuple[Pattern, ...] | None:
@@ -272,12 +284,13 @@ def instrument_module(
     autograd graph also gets ``<name>.backward`` (category ``module.backward``) from autograd
     node hooks. Regions nest like the modules, so Nsight Systems and trace viewers show the
     model's structure. ``TransformerEncoder`` and ``TransformerEncoderLayer`` keep their fused
-    inference path: they are timed by a ``forward`` wrapper, not hooks, and a layer's
+    inference path: modules are timed by ``forward`` wrappers, not hooks, and a layer's
     submodules are not instrumented. Under ``torch.compile`` nothing is recorded inside the
     compiled graph and nothing breaks it.
 
     Args:
-        model: The model (any ``nn.Module``); it is changed in place (hooks) until ``remove()``.
+        model: The model (any ``nn.Module``); it is changed in place (each module's ``forward``
+            is wrapped, as an instance attribute) until ``remove()``.
         depth: Instrument modules at most this deep (0: the model only; None: all).
         include: Only modules matching one of these: glob patterns, matched against the path
             (``"layers.*"``) and the region name (``"SimpleNet.conv*"``), or module classes.
@@ -333,18 +346,11 @@ def instrument_module(
             probe = _Probe(name, path, backward, root=level == 0,
                            state=state if level == 0 else ())
             done.regions.append(name)
-            if isinstance(module, FAST_PATH_TYPES):
-                previous = module.__dict__.get("forward")
-                wrapper = _wrapped_forward(probe, previous)
-                module.__dict__["forward"] = types.MethodType(wrapper, module)
-                done._wrappers.append((module, previous))
-                done.wrapped.append(name)
-            else:
-                done._handles.append(module.register_forward_pre_hook(probe.pre_hook,
-                                                                      with_kwargs=True))
-                done._handles.append(module.register_forward_hook(
-                    probe.hook, with_kwargs=True, always_call=True))
-                done.hooked.append(name)
+            previous = module.__dict__.get("forward")
+            wrapper = _wrapped_forward(probe, previous, type(module).forward)
+            module.__dict__["forward"] = types.MethodType(wrapper, module)
+            done._wrappers.append((module, previous))
+            done.wrapped.append(name)
     except BaseException:
         done.remove()
         raise

@@ -60,24 +60,42 @@ class RegionStats:
 
 
 class _Series:
-    __slots__ = ("count", "rng", "samples", "total")
+    """Count, total and a uniform sample of at most :data:`RESERVOIR` values.
+
+    Past the reservoir's size, Li's "Algorithm L" (ACM TOMS 20(4), 1994) draws how many values
+    to skip before the next one replaces a random slot, so the common ``add`` is two additions
+    and a comparison, with no random number (drawing one per value, as Algorithm R does, cost
+    more than the rest of a record's summary on the pipeline thread)."""
+
+    __slots__ = ("count", "next", "rng", "samples", "total", "w")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0.0
         self.samples: list[float] = []
         self.rng = random.Random(0)
+        self.w = 1.0
+        self.next = 0
+        """The count at which the next value enters the full reservoir."""
 
     def add(self, value: float) -> None:
-        self.count += 1
+        self.count = count = self.count + 1
         self.total += value
-        if len(self.samples) < RESERVOIR:
+        if count <= RESERVOIR:
             self.samples.append(value)
-        else:
-            slot = self.rng.randrange(self.count)
-            if slot < RESERVOIR:
-                self.samples[slot] = value
+            if count == RESERVOIR:
+                self.w = 1.0
+                self._skip()
+        elif count == self.next:
+            self.samples[int(self.rng.random() * RESERVOIR)] = value
+            self._skip()
 
+    def _skip(self) -> None:
+        """Draw the next count whose value enters the reservoir."""
+        rng = self.rng
+        self.w *= math.exp(math.log(1.0 - rng.random()) / RESERVOIR)
+        w = min(self.w, 1.0 - 1e-16)
+        self.next = self.count + int(math.log(1.0 - rng.random()) / math.log1p(-w)) + 1
 
     def add_unsampled(self, count: int, total: float) -> None:
         """Calls that count in ``count`` and ``total`` but left no sample for percentiles."""

@@ -474,7 +474,7 @@ def test_transformer_encoder_keeps_its_fast_path():
     assert h.wrapped == ["TransformerEncoder", "TransformerEncoder.layers.0",
                          "TransformerEncoder.layers.1"]
     assert "TransformerEncoder.layers.0.self_attn" in h.skipped
-    assert h.hooked == []
+    assert h.hooked == []  # kept, empty: every module is wrapped
     names = [r.name for r in cap.regions]
     assert names == ["TransformerEncoder.layers.0", "TransformerEncoder.layers.1",
                      "TransformerEncoder"]
@@ -506,7 +506,7 @@ def test_encoder_inside_a_model_and_its_backward():
         model.eval()
         assert _profiled_ops(model, x)[FAST_OP] == 2
     assert "Model.enc.layers.0" in h.wrapped
-    assert "Model.embed" in h.hooked
+    assert "Model.embed" in h.wrapped
     by_id = _by_id(cap.regions)
     layer = cap.named("Model.enc.layers.1")[0]
     assert by_id[layer.parent_span_id].name == "Model.enc"
@@ -543,3 +543,135 @@ def test_compiled_instrumented_model_runs_and_records_nothing_inside():
     assert torch.allclose(out, expected)
     assert torch.allclose(out2, expected)
     assert cap.regions == []
+
+
+# -- submodules ride on their model's region (RegionSpec.open_inner) ---------------------------
+class _Seen(nn.Module):
+    """A submodule that notes the current span and its span context while it runs, and opens
+    a perfsdk region and, with a tracer, an OpenTelemetry span inside."""
+
+    def __init__(self, tracer=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.tracer = tracer
+        self.seen: list[tuple[object, int]] = []
+        self.user_parent: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        span = current_span()
+        self.seen.append((span, span.get_span_context().span_id))
+        with perfsdk.timed_region("inside"):
+            if self.tracer is not None:
+                with self.tracer.start_as_current_span("user.inside") as user:
+                    self.user_parent.append(user.parent.span_id)
+            return self.lin(x)
+
+
+def test_a_submodule_rides_on_its_model_region_and_stands_as_the_parent():
+    """A child module gets no Region of its own: its model's region stays the current span and
+    stands for it (its span context is the child's), so what runs inside nests under it."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("user")  # a private provider: nothing global changes
+    model = nn.Sequential(_Seen(tracer), nn.ReLU())
+    with capture() as cap, instrument_module(model):
+        model(torch.ones(2, 4))
+    child = cap.named("Sequential.0")[0]
+    root = cap.named("Sequential")[0]
+    (span, seen_id), = model[0].seen
+    assert type(span) is Region and span.span_id == root.span_id  # the model's region
+    assert seen_id == child.span_id != root.span_id  # ... standing for the child
+    assert span.inner_id == 0  # and no longer, once the child returned
+    inside = cap.named("inside")[0]
+    assert inside.parent_span_id == child.span_id
+    assert model[0].user_parent == [inside.span_id]
+    lin = cap.named("Sequential.0.lin")[0]
+    assert lin.parent_span_id == inside.span_id  # under the region that was current
+    assert cap.named("Sequential.1")[0].parent_span_id == root.span_id
+    assert {r.trace_id for r in cap.regions} == {root.trace_id}
+    assert {r.thread_id for r in cap.regions} == {root.thread_id}
+    for r in (child, inside, lin):
+        assert _inside(r, root)
+
+
+def test_submodules_get_regions_of_their_own_where_a_region_is_needed():
+    """Under torch.profiler (record_function ranges) and with memory readings, every module's
+    region is a full Region: the profiler sees each module, each carries its memory."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with instrument_module(model), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(torch.ones(2, 4))
+    names = Counter(e.name for e in prof.events())
+    assert names["Sequential.0"] == names["Sequential.1"] == names["Sequential"] == 1
+    perfsdk.configure(memory=True)
+    try:
+        with capture() as cap, instrument_module(model):
+            model(torch.ones(2, 4))
+    finally:
+        perfsdk.configure(memory=False)
+    assert len(cap.regions) == 3
+    assert all(r.memory is not None for r in cap.regions)
+
+
+def test_a_submodule_that_raises_closes_with_the_error_and_restores_its_model_region():
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4), Boom())
+    with capture() as cap, instrument_module(model):
+        with pytest.raises(ValueError, match="boom"):
+            model(torch.ones(2, 4))
+        with perfsdk.timed_region("after"):
+            pass
+    boom, root = cap.named("Sequential.1")[0], cap.named("Sequential")[0]
+    assert isinstance(boom.error, ValueError) and isinstance(root.error, ValueError)
+    assert boom.parent_span_id == root.span_id
+    assert cap.named("after")[0].parent_span_id == 0
+
+
+# -- backward hooks through the output tensor ---------------------------------------------------
+def test_user_hooks_on_a_module_output_see_the_gradients_torch_gives_them():
+    """perfsdk hooks a module's output tensor as Tensor.register_hook does; hooks the user adds
+    to that tensor (before, inside forward, or after) still run, get the same gradients as
+    without perfsdk, and can be removed."""
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.inside: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x) * 3
+            y.register_hook(lambda g: self.inside.append(g.clone()))  # before perfsdk's
+            return y
+
+    def run(instrument: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(Hooked(), nn.ReLU(), nn.Linear(4, 2))
+        after: list[torch.Tensor] = []
+        removed: list[torch.Tensor] = []
+        with capture() as cap, (instrument_module(model) if instrument
+                                else contextlib.nullcontext()):
+            x = torch.randn(3, 4, requires_grad=True)
+            hidden = model[1](model[0](x))
+            out = model[2](hidden)
+            hidden.register_hook(lambda g: after.append(g.clone()))  # after perfsdk's
+            model[2](hidden).sum()  # another use, not backpropagated
+            handle = out.register_hook(lambda g: removed.append(g))
+            handle.remove()
+            (out * torch.arange(2.0)).sum().backward()
+        if instrument:
+            names = Counter(r.name for r in cap.regions)
+            assert names["Sequential.0.backward"] == names["Sequential.1.backward"] == 1
+            assert names["Sequential.2.backward"] == 1
+        assert removed == []
+        assert x.grad is not None
+        return model[0].inside, after, x.grad
+
+    inside, after, grad = run(True)
+    inside0, after0, grad0 = run(False)
+    assert len(inside) == len(after) == 1
+    torch.testing.assert_close(inside, inside0)
+    torch.testing.assert_close(after, after0)
+    torch.testing.assert_close(grad, grad0)
