@@ -190,9 +190,16 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
             if seq >= first:
                 entry = [spec, first, None, None, 0]
                 entries = nodes.get(node)
-                if entries is None:
-                    entries = _register_output(output, node, seq, nodes)
-                entries.insert(0, entry)  # hooked last, the outermost call: it opens first
+                if entries is None:  # _register_output, written out
+                    entries = nodes[node] = [entry]
+                    hook = _partial(_on_node, seq, entries)
+                    if type(output) is _Tensor and output._backward_hooks is None:
+                        output._backward_hooks = _OrderedDict(((_HOOK_KEY, hook),))
+                        node._register_hook_dict(output)
+                    else:
+                        node.register_prehook(hook)
+                else:
+                    entries.insert(0, entry)  # hooked last, the outermost call: it opens first
     else:
         seen = []
         for t in _tensors(output, []):

@@ -59,6 +59,8 @@ _is_compiling = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
 _first_node = _bwd.first_node
 _input_nodes = _bwd.input_nodes
+_track = _bwd.track
+_forward_done = _bwd.forward_done
 _Tensor = torch.Tensor
 
 Pattern = str | type[nn.Module]
@@ -108,25 +110,12 @@ class _Probe:
             region.set_attribute("perfsdk.amp", amp)
         return region
 
-    def begin_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any]:
-        """What tracking this call's backward needs from before its forward: the first
-        autograd node number it may create and its inputs' ``grad_fn``; (-1, None) if none."""
-        try:
-            if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
-                return _first_node(), args[0].grad_fn  # the common case, without a call
-            return _first_node(), _input_nodes(args, kwargs)
-        except Exception as exc:  # our bookkeeping must never break the model
-            warn_once(f"auto-backward:{type(exc).__name__}",
-                      f"perfsdk: no backward region for {self.spec.name!r}: {exc!r}")
-            return -1, None
 
-    def end_backward(self, first: int, inputs: Any, output: Any) -> None:
-        """After a forward that returned: hook its backward (see perfsdk.auto.backward)."""
-        try:
-            _bwd.track(self.bwd, first, inputs, output)  # type: ignore[arg-type]
-        except Exception as exc:  # our bookkeeping must never break the model
-            warn_once(f"auto-backward:{type(exc).__name__}",
-                      f"perfsdk: no backward region for {self.spec.name!r}: {exc!r}")
+
+def _no_backward(spec: RegionSpec, exc: Exception) -> None:
+    """Our backward bookkeeping failed for one call: say so once, never break the model."""
+    warn_once(f"auto-backward:{type(exc).__name__}",
+              f"perfsdk: no backward region for {spec.name!r}: {exc!r}")
 
 
 def _leave(first: int) -> None:
@@ -135,7 +124,7 @@ def _leave(first: int) -> None:
         tls = _tls
         tls.depth -= 1
         if not tls.depth:
-            _bwd.forward_done()
+            _forward_done()
 
 
 def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
@@ -151,7 +140,7 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
     :class:`~perfsdk.region.InnerRegion` riding on its model's (``RegionSpec.open_inner``).
     """
     spec = probe.spec
-    track = probe.bwd is not None
+    bwd = probe.bwd
     enter_root = probe.enter_root if probe.root else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -161,9 +150,16 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
             return type(self).forward(self, *args, **kwargs)
         region = spec.open_inner() if enter_root is None else enter_root()
         first = -1
-        if track and region is not NULL_REGION and _grad_enabled():
-            first, inputs = probe.begin_backward(args, kwargs)
-            if first >= 0:
+        if bwd is not None and region is not NULL_REGION and _grad_enabled():
+            try:  # where this call's backward starts and ends (see perfsdk.auto.backward)
+                if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
+                    inputs = args[0].grad_fn  # the common case, without a call
+                else:
+                    inputs = _input_nodes(args, kwargs)
+                first = _first_node()
+            except Exception as exc:  # our bookkeeping must never break the model
+                _no_backward(spec, exc)
+            else:
                 _tls.depth += 1
         try:
             if inner is not None:
@@ -176,8 +172,14 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
             raise
         region.exit(None)
         if first >= 0:
-            probe.end_backward(first, inputs, output)
-            _leave(first)
+            try:
+                _track(bwd, first, inputs, output)
+            except Exception as exc:  # our bookkeeping must never break the model
+                _no_backward(spec, exc)
+            tls = _tls  # _leave(first), written out
+            tls.depth -= 1
+            if not tls.depth:
+                _forward_done()
         return output
 
     forward.__perfsdk_probe__ = probe  # type: ignore[attr-defined]

@@ -675,3 +675,38 @@ def test_user_hooks_on_a_module_output_see_the_gradients_torch_gives_them():
     torch.testing.assert_close(inside, inside0)
     torch.testing.assert_close(after, after0)
     torch.testing.assert_close(grad, grad0)
+
+
+def test_wrappers_keep_the_fast_call_path_the_signature_and_come_out_again():
+    """No hooks: nn.Module.__call__ keeps its fast path; inspect.signature still sees the
+    module's own forward (HF's Trainer reads it to pick input columns); remove() restores."""
+    import inspect
+
+    model = SimpleNet(image_size=8)
+    before = inspect.signature(model.forward)
+    with instrument_module(model) as handle:
+        for m in model.modules():
+            assert not (m._forward_pre_hooks or m._forward_hooks or m._backward_hooks)
+        assert inspect.signature(model.forward) == before
+        assert inspect.signature(model.conv1.forward) == inspect.signature(
+            nn.Conv2d.forward.__get__(model.conv1))
+        assert handle.wrapped == handle.regions and handle.hooked == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_hooked_nodes_are_forgotten_after_the_outermost_tracked_call():
+    """Only some submodules instrumented (the model's own forward is not): the nodes hooked in
+    a forward are still let go when the outermost instrumented call returns, or raises."""
+    import perfsdk.auto.backward as bwd
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with capture() as cap, instrument_module(model, include=["0", "2"]):
+        for _ in range(3):
+            model(torch.ones(2, 4, requires_grad=True)).sum().backward()
+            assert bwd._tls.nodes == {}
+        with pytest.raises(RuntimeError):
+            model[0](torch.ones(2, 5, requires_grad=True))  # wrong width: forward raises
+        assert bwd._tls.nodes == {}
+    names = Counter(r.name for r in cap.regions)
+    assert names["Sequential.0"] == 4 and names["Sequential.2"] == 3
+    assert names["Sequential.0.backward"] == names["Sequential.2.backward"] == 3

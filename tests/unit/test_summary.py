@@ -226,3 +226,22 @@ def test_summary_after_fork_starts_empty():
     PIPELINE.drain(wait=True)
     lifecycle.SUMMARY.after_fork()
     assert len(perfsdk.summary(show=False)) == 0
+
+
+def test_the_reservoir_stays_a_uniform_sample_far_past_its_size():
+    """Past RESERVOIR values, each value is kept with the same chance: the samples of 0..N-1
+    spread evenly (each tenth of the range holds about a tenth of them), the last values get in
+    as often as the first, and count and total stay exact."""
+    from perfsdk.export.summary import RESERVOIR, _Series
+
+    n = 20 * RESERVOIR
+    series = _Series()
+    for i in range(n):
+        series.add(float(i))
+    assert series.count == n and series.total == n * (n - 1) / 2
+    assert len(series.samples) == RESERVOIR
+    tenths = [0] * 10
+    for v in series.samples:
+        tenths[int(v * 10 // n)] += 1
+    expected = RESERVOIR / 10
+    assert all(abs(t - expected) < 0.1 * expected for t in tenths), tenths  # seeded: the same each run
