@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import OrderedDict as _OrderedDict
 from typing import Any
 
 import torch
@@ -158,6 +157,13 @@ _HOOK_KEY = "perfsdk.backward"
 """Our key in a tensor's ``_backward_hooks`` (torch's own keys are ints)."""
 
 
+class _Hooks(dict):  # type: ignore[type-arg]
+    """A tensor's ``_backward_hooks`` made by us: a dict that ``Tensor.register_hook``'s
+    ``RemovableHandle`` can refer to weakly (torch makes an ``OrderedDict``, slower to build)."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _register_output(tensor: torch.Tensor, node: Any, seq: int,
                      nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
     """Hook ``node``, the ``grad_fn`` of ``tensor``: as :func:`_register`, but through the
@@ -169,7 +175,7 @@ def _register_output(tensor: torch.Tensor, node: Any, seq: int,
     nodes[node] = entries
     hook = _partial(_on_node, seq, entries)
     if type(tensor) is _Tensor and tensor._backward_hooks is None:
-        tensor._backward_hooks = _OrderedDict(((_HOOK_KEY, hook),))  # as torch's (weakref-able)
+        tensor._backward_hooks = _Hooks(((_HOOK_KEY, hook),))
         node._register_hook_dict(tensor)
     else:
         node.register_prehook(hook)
@@ -194,7 +200,7 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
                     entries = nodes[node] = [entry]
                     hook = _partial(_on_node, seq, entries)
                     if type(output) is _Tensor and output._backward_hooks is None:
-                        output._backward_hooks = _OrderedDict(((_HOOK_KEY, hook),))
+                        output._backward_hooks = _Hooks(((_HOOK_KEY, hook),))
                         node._register_hook_dict(output)
                     else:
                         node.register_prehook(hook)

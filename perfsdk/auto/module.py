@@ -55,6 +55,7 @@ FAST_PATH_TYPES: tuple[type[nn.Module], ...] = (nn.TransformerEncoder, nn.Transf
 ``TransformerEncoderLayer`` are not instrumented, so the layer is one region."""
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+_ScriptModule = torch.jit.ScriptModule  # TorchScript runs its submodules itself: no wrapper
 _is_compiling = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
 _first_node = _bwd.first_node
@@ -150,6 +151,7 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
             return type(self).forward(self, *args, **kwargs)
         region = spec.open_inner() if enter_root is None else enter_root()
         first = -1
+        inputs: Any = None
         if bwd is not None and region is not NULL_REGION and _grad_enabled():
             try:  # where this call's backward starts and ends (see perfsdk.auto.backward)
                 if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
@@ -173,7 +175,7 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
         region.exit(None)
         if first >= 0:
             try:
-                _track(bwd, first, inputs, output)
+                _track(bwd, first, inputs, output)  # type: ignore[arg-type]
             except Exception as exc:  # our bookkeeping must never break the model
                 _no_backward(spec, exc)
             tls = _tls  # _leave(first), written out
@@ -196,8 +198,9 @@ class ModuleInstrumentation:
             order (``SimpleNet``, ``SimpleNet.conv1`` ...).
         hooked: Empty: kept for code written when modules were timed by hooks.
         wrapped: The modules timed by a ``forward`` wrapper: all of them.
-        skipped: Submodules left alone to keep a fast path (children of a
-            ``TransformerEncoderLayer``).
+        skipped: Submodules left alone: children of a ``TransformerEncoderLayer`` (to keep
+            its fast path) and TorchScript submodules with their children (scripted code
+            calls them itself, past any Python wrapper).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -264,7 +267,7 @@ def _walk(module: nn.Module, path: str, level: int, depth: int | None, seen: set
     fused = isinstance(module, nn.TransformerEncoderLayer)
     for name, child in module.named_children():
         child_path = f"{path}.{name}" if path else name
-        if fused:
+        if fused or isinstance(child, _ScriptModule):
             skipped.extend(f"{prefix}.{p}" for p, _ in child.named_modules(prefix=child_path))
             continue
         yield from _walk(child, child_path, level + 1, depth, seen, skipped, prefix)
@@ -318,9 +321,10 @@ def instrument_module(
         ['Sequential', 'Sequential.0', 'Sequential.0.backward', 'Sequential.1',
          'Sequential.1.backward', 'Sequential.backward']
     """
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, nn.Module) or isinstance(model, _ScriptModule):
         raise ValueError(f"instrument_module: model={model!r}; accepted values are "
-                         "torch.nn.Module instances")
+                         "torch.nn.Module instances that are not TorchScript modules (time a "
+                         "scripted model from outside, e.g. with perfsdk.timed_region)")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise ValueError(f"instrument_module: depth={depth!r}; accepted values are None (all "
                          "levels) or an integer >= 0 (0: the model only)")

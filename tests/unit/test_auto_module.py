@@ -579,8 +579,10 @@ def test_a_submodule_rides_on_its_model_region_and_stands_as_the_parent():
     child = cap.named("Sequential.0")[0]
     root = cap.named("Sequential")[0]
     (span, seen_id), = model[0].seen
-    assert type(span) is Region and span.span_id == root.span_id  # the model's region
-    assert seen_id == child.span_id != root.span_id  # ... standing for the child
+    assert type(span) is Region  # the model's region...
+    assert span.span_id == root.span_id
+    assert seen_id == child.span_id  # ... standing for the child
+    assert child.span_id != root.span_id
     assert span.inner_id == 0  # and no longer, once the child returned
     inside = cap.named("inside")[0]
     assert inside.parent_span_id == child.span_id
@@ -625,7 +627,8 @@ def test_a_submodule_that_raises_closes_with_the_error_and_restores_its_model_re
         with perfsdk.timed_region("after"):
             pass
     boom, root = cap.named("Sequential.1")[0], cap.named("Sequential")[0]
-    assert isinstance(boom.error, ValueError) and isinstance(root.error, ValueError)
+    assert isinstance(boom.error, ValueError)
+    assert isinstance(root.error, ValueError)
     assert boom.parent_span_id == root.span_id
     assert cap.named("after")[0].parent_span_id == 0
 
@@ -686,11 +689,14 @@ def test_wrappers_keep_the_fast_call_path_the_signature_and_come_out_again():
     before = inspect.signature(model.forward)
     with instrument_module(model) as handle:
         for m in model.modules():
-            assert not (m._forward_pre_hooks or m._forward_hooks or m._backward_hooks)
+            assert not m._forward_pre_hooks
+            assert not m._forward_hooks
+            assert not m._backward_hooks
         assert inspect.signature(model.forward) == before
         assert inspect.signature(model.conv1.forward) == inspect.signature(
             nn.Conv2d.forward.__get__(model.conv1))
-        assert handle.wrapped == handle.regions and handle.hooked == []
+        assert handle.wrapped == handle.regions
+        assert handle.hooked == []
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
@@ -708,5 +714,23 @@ def test_hooked_nodes_are_forgotten_after_the_outermost_tracked_call():
             model[0](torch.ones(2, 5, requires_grad=True))  # wrong width: forward raises
         assert bwd._tls.nodes == {}
     names = Counter(r.name for r in cap.regions)
-    assert names["Sequential.0"] == 4 and names["Sequential.2"] == 3
+    assert names["Sequential.0"] == 4
+    assert names["Sequential.2"] == 3
     assert names["Sequential.0.backward"] == names["Sequential.2.backward"] == 3
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_submodules_are_left_alone_and_a_scripted_model_is_refused():
+    """Scripted code calls its submodules itself, past any Python wrapper (and the class of a
+    scripted module has no plain ``forward`` to wrap): they get no region, and are listed."""
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    model = nn.Sequential(scripted, nn.ReLU())
+    with capture() as cap, instrument_module(model) as h:
+        model(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    assert h.regions == ["Sequential", "Sequential.1"]
+    assert h.skipped == ["Sequential.0", "Sequential.0.0", "Sequential.0.1"]
+    assert Counter(r.name for r in cap.regions) == Counter({
+        "Sequential": 1, "Sequential.1": 1, "Sequential.backward": 1,
+        "Sequential.1.backward": 1})
+    with pytest.raises(ValueError, match=r"(?s)model=.*not TorchScript modules"):
+        instrument_module(scripted)
