@@ -90,13 +90,15 @@ _tls = _State()
 class _Probe:
     """The regions of one instrumented module: built once, when it is instrumented."""
 
-    __slots__ = ("bwd", "root", "spec")
+    __slots__ = ("bwd", "live", "root", "spec")
 
     def __init__(self, name: str, path: str, backward: bool, root: bool,
                  state: tuple[tuple[str, Any], ...] = ()) -> None:
         self.spec = _spec(name, "module", path, state)
         self.bwd = _spec(f"{name}.backward", "module.backward", path) if backward else None
         self.root = root
+        self.live = True
+        """False once removed: a wrapper left in someone else's chain only passes through."""
 
     def enter_root(self) -> Any:
         """The model's own region (NULL_REGION when sampled out): stale backward regions
@@ -145,7 +147,7 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
     enter_root = probe.enter_root if probe.root else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling() or not _state.enabled:
+        if _is_compiling() or not _state.enabled or not probe.live:
             if inner is not None:
                 return inner(*args, **kwargs)
             return type(self).forward(self, *args, **kwargs)
@@ -209,12 +211,17 @@ class ModuleInstrumentation:
         self.hooked: list[str] = []
         self.wrapped: list[str] = []
         self.skipped: list[str] = []
-        self._wrappers: list[tuple[nn.Module, Any]] = []
+        self._wrappers: list[tuple[nn.Module, Any, Any]] = []
 
     def remove(self) -> None:
-        """Remove every hook and wrapper; idempotent."""
+        """Remove every wrapper; idempotent. A wrapper that other code has wrapped in turn
+        since (``module.forward`` replaced again, as accelerate's hooks do) is left in their
+        chain, where it only passes calls through from now on."""
         while self._wrappers:
-            module, previous = self._wrappers.pop()
+            module, previous, wrapper = self._wrappers.pop()
+            wrapper.__func__.__perfsdk_probe__.live = False
+            if module.__dict__.get("forward") is not wrapper:
+                continue  # someone else's forward now: theirs stays, ours passes through
             if previous is None:
                 module.__dict__.pop("forward", None)
             else:
@@ -353,9 +360,10 @@ def instrument_module(
                            state=state if level == 0 else ())
             done.regions.append(name)
             previous = module.__dict__.get("forward")
-            wrapper = _wrapped_forward(probe, previous, type(module).forward)
-            module.__dict__["forward"] = types.MethodType(wrapper, module)
-            done._wrappers.append((module, previous))
+            bound = types.MethodType(_wrapped_forward(probe, previous, type(module).forward),
+                                     module)
+            module.__dict__["forward"] = bound
+            done._wrappers.append((module, previous, bound))
             done.wrapped.append(name)
     except BaseException:
         done.remove()

@@ -734,3 +734,28 @@ def test_torchscript_submodules_are_left_alone_and_a_scripted_model_is_refused()
         "Sequential.1.backward": 1})
     with pytest.raises(ValueError, match=r"(?s)model=.*not TorchScript modules"):
         instrument_module(scripted)
+
+
+def test_remove_leaves_a_forward_wrapped_after_ours_in_place_and_ours_passes_through():
+    """Code that wraps ``module.forward`` after instrument_module (accelerate's hooks do) keeps
+    its wrapper when ours is removed; ours, still inside its chain, records nothing more."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    layer = model[0]
+    calls = []
+    with capture() as cap:
+        handle = instrument_module(model)
+        ours = layer.forward
+
+        def theirs(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return ours(*args, **kwargs)
+
+        layer.forward = theirs
+        model(torch.ones(2, 4))
+        handle.remove()
+        assert layer.forward is theirs
+        assert "forward" not in model.__dict__  # the model's own wrapper is gone
+        model(torch.ones(2, 4))
+    assert calls == [1, 1]
+    assert Counter(r.name for r in cap.regions) == Counter(
+        {"Sequential": 1, "Sequential.0": 1})
