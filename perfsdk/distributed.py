@@ -503,8 +503,8 @@ class _CommHook:
         if not pipeline.started:
             pipeline.start()
         parent = current_span()
-        if isinstance(parent, self._region_type):
-            trace, up = parent.trace_id, parent.span_id
+        if isinstance(parent, self._region_type):  # or the InnerRegion it stands for
+            trace, up = parent.trace_id, parent.inner_id or parent.span_id
         else:
             trace, up = parent_ids(parent) if parent is not None else (0, 0)
         if not trace:  # no current region on this thread: the one around the model's forward,

@@ -192,6 +192,17 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
     return forward
 
 
+def _replicate(wrapper: Callable[..., Any], module: nn.Module) -> nn.Module:
+    """``module._replicate_for_data_parallel()`` while instrumented. ``nn.DataParallel`` makes
+    its replicas with a copy of the module's ``__dict__``, where the wrapper bound to the
+    original would run the original (its parameters, on its device): the replica gets the
+    wrapper bound to itself."""
+    replica: nn.Module = type(module)._replicate_for_data_parallel(module)
+    replica.__dict__.pop("_replicate_for_data_parallel", None)
+    replica.__dict__["forward"] = types.MethodType(wrapper, replica)
+    return replica
+
+
 class ModuleInstrumentation:
     """What :func:`instrument_module` did, and the way to undo it.
 
@@ -220,6 +231,7 @@ class ModuleInstrumentation:
         while self._wrappers:
             module, previous, wrapper = self._wrappers.pop()
             wrapper.__func__.__perfsdk_probe__.live = False
+            module.__dict__.pop("_replicate_for_data_parallel", None)
             if module.__dict__.get("forward") is not wrapper:
                 continue  # someone else's forward now: theirs stays, ours passes through
             if previous is None:
@@ -360,9 +372,11 @@ def instrument_module(
                            state=state if level == 0 else ())
             done.regions.append(name)
             previous = module.__dict__.get("forward")
-            bound = types.MethodType(_wrapped_forward(probe, previous, type(module).forward),
-                                     module)
+            wrapper = _wrapped_forward(probe, previous, type(module).forward)
+            bound = types.MethodType(wrapper, module)
             module.__dict__["forward"] = bound
+            module.__dict__["_replicate_for_data_parallel"] = types.MethodType(
+                functools.partial(_replicate, wrapper), module)
             done._wrappers.append((module, previous, bound))
             done.wrapped.append(name)
     except BaseException:

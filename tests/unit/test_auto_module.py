@@ -759,3 +759,24 @@ def test_remove_leaves_a_forward_wrapped_after_ours_in_place_and_ours_passes_thr
     assert calls == [1, 1]
     assert Counter(r.name for r in cap.regions) == Counter(
         {"Sequential": 1, "Sequential.0": 1})
+
+
+def test_a_data_parallel_replica_runs_its_own_forward_on_its_own_parameters():
+    """nn.DataParallel copies a module's __dict__ into each replica (replicate() on a GPU
+    each step): the replica's forward wrapper must run the replica, not the original."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.ones(2, 4)
+    with capture() as cap, instrument_module(model):
+        replica = model._replicate_for_data_parallel()
+        layer = model[0]._replicate_for_data_parallel()
+        replica._modules["0"] = layer
+        replica._modules["1"] = model[1]._replicate_for_data_parallel()
+        layer.weight = torch.zeros(4, 4)  # what replicate() does: the replica's own tensors
+        layer.bias = torch.full((4,), 2.0)
+        out = replica(x)
+        assert torch.equal(out, torch.full((2, 4), 2.0))  # the replica's weights, not the model's
+        assert not torch.equal(model(x), out)
+    names = Counter(r.name for r in cap.regions)
+    assert names["Sequential.0"] == names["Sequential"] == 2  # replica and model both timed
+    assert "forward" not in model[0].__dict__
+    assert "_replicate_for_data_parallel" not in model[0].__dict__
