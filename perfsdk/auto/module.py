@@ -197,7 +197,7 @@ def _replicate(wrapper: Callable[..., Any], module: nn.Module) -> nn.Module:
     its replicas with a copy of the module's ``__dict__``, where the wrapper bound to the
     original would run the original (its parameters, on its device): the replica gets the
     wrapper bound to itself."""
-    replica: nn.Module = type(module)._replicate_for_data_parallel(module)
+    replica: nn.Module = type(module)._replicate_for_data_parallel(module)  # type: ignore[no-untyped-call]
     replica.__dict__.pop("_replicate_for_data_parallel", None)
     replica.__dict__["forward"] = types.MethodType(wrapper, replica)
     return replica
