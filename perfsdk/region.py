@@ -413,11 +413,10 @@ class InnerRegion(tuple):  # type: ignore[type-arg]
                 dom.pop_range()
             else:
                 dom.end_range(rid)
-        attributes = None
-        if error is not None and isinstance(error, torch.OutOfMemoryError):
-            attributes = _memory.oom_attributes(None) or None
+        # No OOM forensics (Region._on_oom): an inner entry is made only while CUDA is not
+        # initialized, when there is no allocator state to record.
         record = (index, owner.trace_id, span_id, parent_id, t0, t1, owner.thread_id, error,
-                  attributes, None, None, None, None, None, None)
+                  None, None, None, None, None, None, None)
         if len(_queue) < PIPELINE.max_pending:  # PIPELINE.submit(record)
             _enqueue(record)
         else:

@@ -20,7 +20,9 @@ one block, and once a node numbered below ``first`` starts, the call's backward 
 
 No graph is walked and no tensor is wrapped: per forward call, one counter read and at most one
 hook per node that is an instrumented call's output or input (nodes shared by nested modules
-and by consecutive layers get one hook between them). Why not
+and by consecutive layers get one hook between them). An output node is hooked through its
+tensor, as ``Tensor.register_hook`` does (the tensor's ``_backward_hooks`` dict, registered on
+the node), without the ``RemovableHandle`` that costs most of a ``Node.register_prehook``. Why not
 ``register_full_backward_hook``: it wraps the module's inputs and outputs in a custom autograd
 function, which makes an in-place operation on the output (``nn.ReLU(inplace=True)`` after a
 convolution) an error, and for a module whose inputs do not require grad torch calls it as soon
