@@ -209,9 +209,10 @@ class RegionSpec:
         An inner entry is not made current; the Region it nests in stands for it
         (:attr:`Region.inner_id`), so regions and OpenTelemetry spans started inside it are
         still its children. It needs: timing on; no torch profiler (record_function); no
-        memory readings for this region; CUDA not initialized (no device events); and a
-        current Region of this thread, timed, still open, entered in this process. Otherwise
-        the entry is a Region, as from :meth:`open`.
+        memory readings for this region; and a current Region of this thread, timed, still
+        open, entered in this process, and without device events (CUDA was not initialized
+        when it was entered: then this entry's device time would be wanted too). Otherwise the
+        entry is a Region, as from :meth:`open`.
         """
         if not _state.enabled:
             return NULL_REGION
@@ -224,9 +225,10 @@ class RegionSpec:
                 owner = owner.get(_SPAN_KEY)
             memory = self.memory
             if (type(owner) is Region and owner._timed and not owner.t1
-                    and owner.thread_id == _get_ident() and owner._gen == _FORK.generation
+                    and owner.start_event is None and owner.thread_id == _get_ident()
+                    and owner._gen == _FORK.generation
                     and not (memory or (memory is None and _state.memory))
-                    and not _profiler_enabled() and not _device._is_initialized()):
+                    and not _profiler_enabled()):
                 dom = rid = None
                 if _state.nvtx:
                     dom = self.nvtx.domain
@@ -413,8 +415,8 @@ class InnerRegion(tuple):  # type: ignore[type-arg]
                 dom.pop_range()
             else:
                 dom.end_range(rid)
-        # No OOM forensics (Region._on_oom): an inner entry is made only while CUDA is not
-        # initialized, when there is no allocator state to record.
+        # No OOM forensics (Region._on_oom): an inner entry rides only on a region entered
+        # while CUDA was not initialized, with no allocator state to record.
         record = (index, owner.trace_id, span_id, parent_id, t0, t1, owner.thread_id, error,
                   None, None, None, None, None, None, None)
         if len(_queue) < PIPELINE.max_pending:  # PIPELINE.submit(record)

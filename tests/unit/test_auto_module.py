@@ -780,3 +780,25 @@ def test_a_data_parallel_replica_runs_its_own_forward_on_its_own_parameters():
     assert names["Sequential.0"] == names["Sequential"] == 2  # replica and model both timed
     assert "forward" not in model[0].__dict__
     assert "_replicate_for_data_parallel" not in model[0].__dict__
+
+
+def test_on_a_gpu_every_module_gets_its_device_time(fake_cuda):
+    """Where the region a submodule would ride on has device events (CUDA initialized), each
+    submodule gets a Region of its own, with its device time from its own events."""
+    class Work(nn.Module):
+        def __init__(self, ms: float) -> None:
+            super().__init__()
+            self.ms = ms
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            fake_cuda.launch(self.ms)
+            return x
+
+    model = nn.Sequential(Work(2.0), Work(3.0))
+    with capture() as cap, instrument_module(model, backward=False):
+        model(torch.ones(2))
+        fake_cuda.advance(5.0)
+        perfsdk.flush()
+    device = {r.name: r.device_ms for r in cap.regions}
+    assert device == {"Sequential": 5.0, "Sequential.0": 2.0, "Sequential.1": 3.0}
+    assert fake_cuda.sync_calls == []
