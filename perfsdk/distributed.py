@@ -110,6 +110,15 @@ _agreed: dict[tuple[str, str], str] = {}  # (TORCHELASTIC_RUN_ID, restart count)
 _agree_lock = threading.Lock()
 
 
+# os.environ's own dict of encoded names, kept in step with every change to os.environ:
+# ``os.environ.get`` is three Python calls, paid at every step otherwise.
+_ENV_KEYS: Any = getattr(os.environ, "_data", None)
+try:
+    _RUN_ID_KEY: Any = os.environ.encodekey("TORCHELASTIC_RUN_ID")
+except Exception:  # another os.environ than CPython's: always ask it
+    _ENV_KEYS = None
+
+
 def _unset(value: str | None) -> bool:
     """``torchrun``'s placeholder for "no ``--rdzv-id``" (its default is the string ``none``)."""
     return value is None or value.strip().lower() in ("", "none")
@@ -133,6 +142,8 @@ def run_id() -> str | None:
     """
     if _run_id:
         return _run_id
+    if _ENV_KEYS is not None and _RUN_ID_KEY not in _ENV_KEYS:
+        return None  # not under torchrun: one dict lookup (each step asks)
     env = os.environ
     given = env.get("TORCHELASTIC_RUN_ID")
     if given is None:

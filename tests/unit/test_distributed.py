@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import socket
 import threading
 import warnings
@@ -119,6 +120,20 @@ def test_a_run_id_torchrun_gave_is_used_and_a_restart_names_its_attempt(fresh_ru
 def test_no_torchrun_no_run_id(fresh_run_id) -> None:
     assert run_id() is None
     assert step_trace_id(0) is None  # each step keeps a random trace of its own
+
+
+def test_run_id_follows_the_environment_as_it_changes(fresh_run_id) -> None:
+    """run_id() reads os.environ's own dict for its fast "not under torchrun" answer: a
+    variable set or removed later is seen at the next call."""
+    assert run_id() is None
+    os.environ["TORCHELASTIC_RUN_ID"] = "job-7"
+    try:
+        assert run_id() == "job-7"
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
+    assert run_id() is None
+    fresh_run_id.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    assert run_id() == "job-8"
 
 
 @pytest.mark.parametrize("placeholder", ["none", "", "None"])
