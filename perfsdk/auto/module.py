@@ -114,7 +114,6 @@ class _Probe:
         return region
 
 
-
 def _no_backward(spec: RegionSpec, exc: Exception) -> None:
     """Our backward bookkeeping failed for one call: say so once, never break the model."""
     warn_once(f"auto-backward:{type(exc).__name__}",
