@@ -247,8 +247,9 @@ class RegionSpec:
     def open_handle(self, attributes: dict[str, Any] | None = None) -> Region:
         """The gate for entries handed to the user (``timed_region``, steps): a Region of its
         own in every case, entered when sampled in, unentered (``recorded`` False) if not."""
-        region = Region(self, attributes)
-        return region.enter() if self.sampled() else region
+        if self.sampled():
+            return _alloc(Region)._start(self, attributes)  # as open(): no __init__ first
+        return Region(self, attributes)
 
     @classmethod
     def create(
