@@ -2,9 +2,9 @@
 
 Every autograd node gets a sequence number when it is created, from a counter of the creating
 thread (``torch.autograd._get_sequence_nr()`` reads the next one). A module call's own nodes are
-those numbered from the counter at its forward pre-hook (``first``) up to the counter at its
-forward hook: the nodes its forward created, in-place operations on its inputs included, and
-nothing created before it (its inputs' ``grad_fn``, parameters' ``AccumulateGrad``).
+those numbered from the counter read just before its ``forward`` runs (``first``) up to the
+counter just after: the nodes its forward created, in-place operations on its inputs included,
+and nothing created before it (its inputs' ``grad_fn``, parameters' ``AccumulateGrad``).
 
 The engine runs the ready node with the highest sequence number first (``AccumulateGrad``
 aside, which runs as soon as it is ready), and a node's gradient comes only from nodes created
@@ -185,8 +185,8 @@ def _register_output(tensor: torch.Tensor, node: Any, seq: int,
 
 
 def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
-    """Hook the backward of one forward call, whose pre-hook read ``first`` from
-    :func:`first_node` and the ``grad_fn`` of its inputs (one node or None for a single input
+    """Hook the backward of one forward call, for which ``first`` was read from
+    :func:`first_node` before its forward ran, with the ``grad_fn`` of its inputs (one node or None for a single input
     tensor, else :func:`input_nodes`). False when the call created no autograd node that
     reaches its output."""
     nodes = _tls.nodes
