@@ -186,9 +186,9 @@ def _register_output(tensor: torch.Tensor, node: Any, seq: int,
 
 def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
     """Hook the backward of one forward call, for which ``first`` was read from
-    :func:`first_node` before its forward ran, with the ``grad_fn`` of its inputs (one node or None for a single input
-    tensor, else :func:`input_nodes`). False when the call created no autograd node that
-    reaches its output."""
+    :func:`first_node` before its forward ran, with the ``grad_fn`` of its inputs (one node or
+    None for a single input tensor, else :func:`input_nodes`). False when the call created no
+    autograd node that reaches its output."""
     nodes = _tls.nodes
     entry: list[Any] | None = None
     if isinstance(output, _Tensor):
