@@ -213,6 +213,12 @@ class RegionSpec:
         open, entered in this process, and without device events (CUDA was not initialized
         when it was entered: then this entry's device time would be wanted too). Otherwise the
         entry is a Region, as from :meth:`open`.
+
+        The owner stands for whichever inner entry is open *now*: a thread or asyncio task that
+        copied the context inside an inner entry and starts a span after that entry ended gets
+        the owner (or a later entry) as its parent; a backward pass that raised leaves its
+        inner entries open, and their owner standing for them, until the model's next forward
+        closes them. Entries stay balanced either way.
         """
         if not _state.enabled:
             return NULL_REGION
