@@ -409,7 +409,6 @@ class InnerRegion(tuple):  # type: ignore[type-arg]
     None, NVTX range id of a start/end range or None for a push/pop one, host t0)."""
 
     __slots__ = ()
-    recorded: Final = True
 
     def exit(self, error: BaseException | None = None, t1: int = 0) -> None:
         """End the entry: its record goes to the pipeline (as :meth:`Region.exit`)."""
@@ -430,14 +429,6 @@ class InnerRegion(tuple):  # type: ignore[type-arg]
             _enqueue(record)
         else:
             PIPELINE.spill(record)
-
-    @property
-    def span_id(self) -> int:
-        return int(self[2])
-
-    @property
-    def parent_id(self) -> int:
-        return int(self[3])
 
     def __repr__(self) -> str:
         return f"<InnerRegion {_record.SPECS[self[1]].name!r} in {self[0]!r}>"

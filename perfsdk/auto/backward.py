@@ -172,7 +172,8 @@ def _register_output(tensor: torch.Tensor, node: Any, seq: int,
     tensor, the way ``Tensor.register_hook`` does it without its ``RemovableHandle`` (a third
     of the cost; nothing here is ever removed: the hook goes with the graph). A tensor hook
     runs when the tensor's gradient is ready, just before ``node`` runs: when ``node``'s
-    pre-hook would. A tensor that has hooks already (the user's) gets a node pre-hook."""
+    pre-hook would. A tensor that has hooks already (the user's), or of a subclass (whose
+    ``register_hook`` may mean something else), gets a node pre-hook."""
     entries: list[list[Any]] = []
     nodes[node] = entries
     hook = _partial(_on_node, seq, entries)
@@ -198,7 +199,8 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
             if seq >= first:
                 entry = [spec, first, None, None, 0]
                 entries = nodes.get(node)
-                if entries is None:  # _register_output, written out
+                if entries is None:  # _register_output, written out: one Python call less
+                    # per module call (~1,500 instructions, callgrind; the 3x budget is tight)
                     entries = nodes[node] = [entry]
                     hook = _partial(_on_node, seq, entries)
                     if type(output) is _Tensor and output._backward_hooks is None:
