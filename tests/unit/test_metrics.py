@@ -9,6 +9,7 @@ process; the global-provider scenarios (owned / user / off) run in subprocesses.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import resource
 import subprocess
@@ -206,10 +207,15 @@ def test_process_memory_usage_is_the_current_rss(sink: MetricsSink,
         assert point.attributes == {}
         return int(point.value)
 
+    # Pages of its own, mapped and written here and unmapped after: a malloc'd buffer may reuse
+    # memory the allocator kept resident from earlier tests (CI saw RSS not move at all).
+    size = 256 * 2**20
     base = rss()
-    buffer = b"\x01" * (256 * 2**20)  # written, so resident
+    buffer = mmap.mmap(-1, size)
+    for offset in range(0, size, mmap.PAGESIZE):
+        buffer[offset] = 1  # written, so resident
     grown = rss()
-    del buffer
+    buffer.close()
     shrunk = rss()
     assert base > 10 * 2**20
     assert grown - base > 200 * 2**20
