@@ -1,7 +1,8 @@
 /* perfsdk._fastpath: the optional compiled hot path.
  *
- * Two things, each with a pure-Python twin that passes the same tests (perfsdk/markers.py and
- * perfsdk/memory.py choose; PERFSDK_DISABLE_EXTENSIONS=1 makes them ignore this module):
+ * Three things, each with a pure-Python twin that passes the same tests (perfsdk/markers.py,
+ * perfsdk/memory.py and perfsdk/region.py choose; PERFSDK_DISABLE_EXTENSIONS=1 makes them
+ * ignore this module):
  *
  * - NvtxCall(domain, message, color, category, payload): a region's NVTX range, built once.
  *   Calling it as call(fn, args, kwargs) pushes the range, calls fn(*args, **kwargs) and pops
@@ -14,6 +15,14 @@
  *   building a struct_rusage object. On Linux it asks for RUSAGE_THREAD: the kernel reports the
  *   address space's high-water mark for it too (the same value as RUSAGE_SELF), without
  *   summing the CPU times of every thread.
+ * - InnerGate(spec) and InnerRegion.exit (perfsdk/region.py: inner_gate, RegionSpec.open_inner)
+ *   and NodeHook(seq, entries) (perfsdk/auto/backward.py: _on_node): instrument_module's
+ *   per-module entries and backward hook, statement for statement the code of their Python
+ *   twins, without a Python frame. A gate reads its spec's fixed fields once; the settings'
+ *   and the owner Region's __slots__ are read by offset (after an exact type check), and the
+ *   modules' globals at every call (bind_inner / bind_backward hand the dicts over), so what a
+ *   test swaps there (the host clock) is seen here too. Whatever is off the fast path
+ *   (sampling, no Region to ride on, memory, the profiler) goes to RegionSpec.open_inner.
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
@@ -23,6 +32,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY */
 
 #ifdef PERFSDK_NVTX
 #include <nvtx3/nvToolsExt.h>
@@ -184,6 +194,872 @@ static PyTypeObject NvtxCallType = {
 };
 #endif /* PERFSDK_NVTX */
 
+
+/* ---- inner regions and the backward node hook -------------------------------------------- */
+
+/* Slots (__slots__ members) read and written by their offset, as the interpreter's own
+ * specialized attribute loads do: only on objects whose type is exactly the one the offset was
+ * taken from (checked before each use). A slot that is unset (NULL) sends the entry to the
+ * Python twin, which raises the same AttributeError. */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t timed, t1, start_event, thread_id, gen, inner_id, span_id, trace_id;
+} RegionSlots;
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t enabled, sample_every, timing, nvtx, memory;
+} StateSlots;
+
+static PyObject *region_globals;   /* perfsdk.region's module dict (bind_inner) */
+static PyObject *backward_globals; /* perfsdk.auto.backward's module dict (bind_backward) */
+static PyTypeObject *inner_type;   /* perfsdk.region.InnerRegion */
+static PyTypeObject *context_type; /* OpenTelemetry's Context (a dict), or NULL */
+static PyObject *null_region;      /* perfsdk.region.NULL_REGION */
+static RegionSlots region_slots;
+static StateSlots state_slots;
+static PyTypeObject *fork_type;
+static Py_ssize_t fork_generation;
+static PyObject *int_64, *int_done;
+
+#define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_profiler_enabled) \
+    X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) X(end_range) X(start_range) \
+    X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) X(_enqueue) X(_tls) X(stack) \
+    X(task) X(_task_id) X(_queue_callback) X(_end_of_pass) X(_partial) X(_warn) X(exit) \
+    X(error) X(t1) X(every) X(memory) X(nvtx) X(domain) X(attributes) X(asynchronous) X(index)
+#define DECLARE(name) static PyObject *s_##name;
+INTERNED(DECLARE)
+#undef DECLARE
+
+static int
+intern_names(void)
+{
+#define MAKE(name) if ((s_##name = PyUnicode_InternFromString(#name)) == NULL) return -1;
+    INTERNED(MAKE)
+#undef MAKE
+    return 0;
+}
+
+#define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
+
+/* The offset of the __slots__ member `name` of `type`, or -1 with an exception set. */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, const char *name)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name); /* borrowed */
+    PyMemberDef *member;
+    if (descr == NULL || !PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "perfsdk._fastpath: %s.%s is not a __slots__ member",
+                     type->tp_name, name);
+        return -1;
+    }
+    member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
+        PyErr_Format(PyExc_TypeError, "perfsdk._fastpath: %s.%s is not a plain slot",
+                     type->tp_name, name);
+        return -1;
+    }
+    return member->offset;
+}
+
+/* A module global (borrowed), or NULL with an exception set. */
+static PyObject *
+global(PyObject *globals, PyObject *name)
+{
+    PyObject *value = PyDict_GetItemWithError(globals, name);
+    if (value == NULL && !PyErr_Occurred()) {
+        PyErr_Format(PyExc_NameError, "perfsdk._fastpath: global %R is gone", name);
+    }
+    return value;
+}
+
+/* InnerGate(spec): gate() is spec.open_inner() (RegionSpec.open_inner, compiled), with the
+ * spec's fixed fields read once. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *spec;
+    PyObject *index;
+    PyObject *every;      /* spec.every: None (the configured rate) or an int */
+    PyObject *memory;     /* spec.memory: None (the configured setting) or a bool */
+    PyObject *push;       /* spec.nvtx.domain.push_range / start_range, or None */
+    PyObject *attributes; /* spec.nvtx.attributes */
+    PyObject *domain;     /* spec.nvtx.domain, or None */
+    int asynchronous;
+} InnerGateObject;
+
+/* 1: the entry may ride on `owner`; 0: not (a Region of its own); -1: error.
+ * RegionSpec.open_inner's condition, with the owner already found to be a Region. */
+static int
+may_ride(InnerGateObject *gate, PyObject *state, PyObject *owner)
+{
+    PyObject *value, *fork, *profiling;
+    int truth;
+    unsigned long ident;
+    /* owner._timed and not owner.t1 and owner.start_event is None */
+    if ((value = SLOT(owner, region_slots.timed)) == NULL
+        || (truth = PyObject_IsTrue(value)) <= 0) {
+        return value == NULL ? 0 : truth;
+    }
+    if ((value = SLOT(owner, region_slots.t1)) == NULL || (truth = PyObject_IsTrue(value)) != 0) {
+        return value == NULL ? 0 : (truth < 0 ? -1 : 0);
+    }
+    if (SLOT(owner, region_slots.start_event) != Py_None) {
+        return 0;
+    }
+    /* owner.thread_id == _get_ident() */
+    if ((value = SLOT(owner, region_slots.thread_id)) == NULL || !PyLong_CheckExact(value)) {
+        return 0;
+    }
+    ident = PyLong_AsUnsignedLong(value);
+    if (ident == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (ident != PyThread_get_thread_ident()) {
+        return 0;
+    }
+    /* owner._gen == _FORK.generation */
+    if ((fork = global(region_globals, s__FORK)) == NULL) {
+        return -1;
+    }
+    if (Py_TYPE(fork) != fork_type || (value = SLOT(owner, region_slots.gen)) == NULL
+        || SLOT(fork, fork_generation) == NULL) {
+        return 0;
+    }
+    if ((truth = PyObject_RichCompareBool(value, SLOT(fork, fork_generation), Py_EQ)) <= 0) {
+        return truth;
+    }
+    /* not (memory or (memory is None and _state.memory)) */
+    value = gate->memory == Py_None ? SLOT(state, state_slots.memory) : gate->memory;
+    if (value == NULL || (truth = PyObject_IsTrue(value)) != 0) {
+        return value == NULL ? 0 : (truth < 0 ? -1 : 0);
+    }
+    /* not _profiler_enabled() */
+    if ((profiling = global(region_globals, s__profiler_enabled)) == NULL
+        || (profiling = PyObject_CallNoArgs(profiling)) == NULL) {
+        return -1;
+    }
+    truth = PyObject_IsTrue(profiling);
+    Py_DECREF(profiling);
+    return truth < 0 ? -1 : !truth;
+}
+
+/* The current span (new reference): _cur_get(), and its _SPAN_KEY entry under OpenTelemetry.
+ * NULL with no exception when there is no context variable to read (_cur_get is None). */
+static PyObject *
+current_span(void)
+{
+    PyObject *cur_get, *key, *context, *span;
+    if ((cur_get = global(region_globals, s__cur_get)) == NULL || cur_get == Py_None
+        || (key = global(region_globals, s__SPAN_KEY)) == NULL
+        || (context = PyObject_CallNoArgs(cur_get)) == NULL) {
+        return NULL;
+    }
+    if (key == Py_None) {
+        return context;
+    }
+    if (PyDict_CheckExact(context) || Py_TYPE(context) == context_type) { /* no get() of its own */
+        span = PyDict_GetItemWithError(context, key);
+        if (span == NULL && !PyErr_Occurred()) {
+            span = Py_None;
+        }
+        Py_XINCREF(span);
+    } else {
+        span = PyObject_CallMethodOneArg(context, s_get, key);
+    }
+    Py_DECREF(context);
+    return span;
+}
+
+static PyObject *
+gate_python(InnerGateObject *gate)
+{
+    return PyObject_CallMethodNoArgs(gate->spec, s_open_inner);
+}
+
+static PyObject *
+gate_open(InnerGateObject *gate)
+{
+    PyObject *state, *every, *owner, *rid = Py_None, *span_id = NULL, *t0 = NULL, *fn, *result;
+    PyObject *outer, *parent, *value, *dom = Py_None;
+    int truth;
+    if ((state = global(region_globals, s__state)) == NULL) {
+        return NULL;
+    }
+    if (Py_TYPE(state) != state_slots.type || (value = SLOT(state, state_slots.enabled)) == NULL) {
+        return gate_python(gate);
+    }
+    if ((truth = PyObject_IsTrue(value)) <= 0) {
+        return truth < 0 ? NULL : Py_NewRef(null_region);
+    }
+    /* n = spec.every or _state.sample_every: sampling (n != 1) is the Python twin's */
+    every = gate->every != Py_None ? gate->every : SLOT(state, state_slots.sample_every);
+    if (every == NULL || !PyLong_CheckExact(every) || PyLong_AsLong(every) != 1) {
+        PyErr_Clear();
+        return gate_python(gate);
+    }
+    if ((value = SLOT(state, state_slots.timing)) == NULL
+        || (truth = PyObject_IsTrue(value)) <= 0) {
+        return value == NULL || truth == 0 ? gate_python(gate) : NULL;
+    }
+    if ((owner = current_span()) == NULL) {
+        return PyErr_Occurred() ? NULL : gate_python(gate);
+    }
+    if (Py_TYPE(owner) != region_slots.type || (truth = may_ride(gate, state, owner)) == 0) {
+        Py_DECREF(owner);
+        return gate_python(gate);
+    }
+    if (truth < 0) {
+        Py_DECREF(owner);
+        return NULL;
+    }
+    /* the NVTX range: push (or start) when _state.nvtx and the spec has a domain */
+    if (gate->push != Py_None) {
+        if ((value = SLOT(state, state_slots.nvtx)) == NULL
+            || (truth = PyObject_IsTrue(value)) < 0) {
+            Py_DECREF(owner);
+            return value == NULL ? gate_python(gate) : NULL;
+        }
+        if (truth) {
+            PyObject *pushed = PyObject_CallOneArg(gate->push, gate->attributes);
+            dom = gate->domain;
+            if (pushed == NULL) {
+                Py_DECREF(owner);
+                return NULL;
+            }
+            if (gate->asynchronous) {
+                rid = pushed;
+            } else {
+                Py_DECREF(pushed);
+            }
+        }
+    }
+    /* outer = owner.inner_id; owner.inner_id = span_id = _getrandbits(64) or 1 */
+    result = NULL;
+    if ((outer = SLOT(owner, region_slots.inner_id)) == NULL
+        || (parent = SLOT(owner, region_slots.span_id)) == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "perfsdk: the owner region is not entered");
+        goto done;
+    }
+    if ((fn = global(region_globals, s__getrandbits)) == NULL
+        || (span_id = PyObject_CallOneArg(fn, int_64)) == NULL) {
+        goto done;
+    }
+    if ((truth = PyObject_IsTrue(span_id)) <= 0) {
+        Py_SETREF(span_id, truth < 0 ? NULL : PyLong_FromLong(1));
+        if (span_id == NULL) {
+            goto done;
+        }
+    }
+    /* the slot's reference to outer (borrowed until here) is ours from now on */
+    SLOT(owner, region_slots.inner_id) = Py_NewRef(span_id);
+    if ((truth = PyObject_IsTrue(outer)) < 0) {
+        Py_DECREF(outer);
+        goto done;
+    }
+    if (truth) {
+        parent = outer;  /* else the owner's span_id, borrowed: the owner holds it */
+    }
+    if ((fn = global(region_globals, s__perf_ns)) == NULL
+        || (t0 = PyObject_CallNoArgs(fn)) == NULL
+        || (result = inner_type->tp_alloc(inner_type, 8)) == NULL) {
+        Py_DECREF(outer);
+        goto done;
+    }
+    PyTuple_SET_ITEM(result, 0, Py_NewRef(owner));
+    PyTuple_SET_ITEM(result, 1, Py_NewRef(gate->index));
+    PyTuple_SET_ITEM(result, 2, Py_NewRef(span_id));
+    PyTuple_SET_ITEM(result, 3, Py_NewRef(parent));
+    PyTuple_SET_ITEM(result, 4, outer); /* steals */
+    PyTuple_SET_ITEM(result, 5, Py_NewRef(dom));
+    PyTuple_SET_ITEM(result, 6, Py_NewRef(rid));
+    PyTuple_SET_ITEM(result, 7, Py_NewRef(t0));
+done:
+    Py_DECREF(owner);
+    if (rid != Py_None) {
+        Py_DECREF(rid);
+    }
+    Py_XDECREF(span_id);
+    Py_XDECREF(t0);
+    return result;
+}
+static PyObject *
+gate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "InnerGate takes no arguments");
+        return NULL;
+    }
+    return gate_open((InnerGateObject *)op);
+}
+
+static PyObject *
+gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *spec, *nvtx = NULL, *value = NULL;
+    InnerGateObject *self;
+    int truth;
+    if (region_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: bind_inner() was not called");
+        return NULL;
+    }
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)
+        || !PyArg_ParseTuple(args, "O:InnerGate", &spec)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "InnerGate(spec) takes no keyword arguments");
+        }
+        return NULL;
+    }
+    if ((self = (InnerGateObject *)type->tp_alloc(type, 0)) == NULL) {
+        return NULL;
+    }
+    self->vectorcall = gate_vectorcall;
+    self->spec = Py_NewRef(spec);
+    if ((self->index = PyObject_GetAttr(spec, s_index)) == NULL
+        || (self->every = PyObject_GetAttr(spec, s_every)) == NULL
+        || (self->memory = PyObject_GetAttr(spec, s_memory)) == NULL
+        || (nvtx = PyObject_GetAttr(spec, s_nvtx)) == NULL
+        || (self->domain = PyObject_GetAttr(nvtx, s_domain)) == NULL
+        || (self->attributes = PyObject_GetAttr(nvtx, s_attributes)) == NULL
+        || (value = PyObject_GetAttr(spec, s_asynchronous)) == NULL
+        || (truth = PyObject_IsTrue(value)) < 0) {
+        goto fail;
+    }
+    self->asynchronous = truth;
+    if (self->every != Py_None && !PyLong_CheckExact(self->every)) {
+        PyErr_SetString(PyExc_TypeError, "InnerGate: spec.every must be an int or None");
+        goto fail;
+    }
+    if (self->domain == Py_None) {
+        self->push = Py_NewRef(Py_None);
+    } else if ((self->push = PyObject_GetAttr(self->domain, truth ? s_start_range
+                                                                  : s_push_range)) == NULL) {
+        goto fail;
+    }
+    Py_DECREF(nvtx);
+    Py_DECREF(value);
+    return (PyObject *)self;
+fail:
+    Py_XDECREF(nvtx);
+    Py_XDECREF(value);
+    Py_DECREF(self);
+    return NULL;
+}
+
+static int
+gate_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    InnerGateObject *self = (InnerGateObject *)op;
+    Py_VISIT(self->spec);
+    Py_VISIT(self->index);
+    Py_VISIT(self->every);
+    Py_VISIT(self->memory);
+    Py_VISIT(self->push);
+    Py_VISIT(self->attributes);
+    Py_VISIT(self->domain);
+    return 0;
+}
+
+static int
+gate_clear(PyObject *op)
+{
+    InnerGateObject *self = (InnerGateObject *)op;
+    Py_CLEAR(self->spec);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->every);
+    Py_CLEAR(self->memory);
+    Py_CLEAR(self->push);
+    Py_CLEAR(self->attributes);
+    Py_CLEAR(self->domain);
+    return 0;
+}
+
+static void
+gate_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    gate_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyObject *
+gate_repr(PyObject *op)
+{
+    return PyUnicode_FromFormat("<perfsdk._fastpath.InnerGate %R>", ((InnerGateObject *)op)->spec);
+}
+
+static PyTypeObject InnerGateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.InnerGate",
+    .tp_doc = "InnerGate(spec): gate() is spec.open_inner(), compiled (after bind_inner).",
+    .tp_basicsize = sizeof(InnerGateObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(InnerGateObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = gate_new,
+    .tp_dealloc = gate_dealloc,
+    .tp_traverse = gate_traverse,
+    .tp_clear = gate_clear,
+    .tp_repr = gate_repr,
+};
+
+/* InnerRegion.exit(error=None, t1=0), compiled (a method of the Python class). */
+static PyObject *
+inner_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *error = Py_None, *t1 = NULL, *owner, *dom, *rid, *fn, *record, *queue, *pipeline;
+    PyObject *trace_id, *thread_id, *limit, *res;
+    Py_ssize_t i, nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), length;
+    int truth, exact;
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "exit() takes at most 2 arguments");
+        return NULL;
+    }
+    if (nargs > 0) {
+        error = args[0];
+    }
+    if (nargs > 1) {
+        t1 = args[1];
+    }
+    for (i = 0; i < nkw; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        int is_error = PyUnicode_Compare(name, s_error) == 0;
+        if ((!is_error && PyUnicode_Compare(name, s_t1) != 0) || (is_error && nargs > 0)
+            || (!is_error && nargs > 1)) {
+            PyErr_Format(PyExc_TypeError, "exit() got an unexpected keyword argument %R", name);
+            return NULL;
+        }
+        if (is_error) {
+            error = args[nargs + i];
+        } else {
+            t1 = args[nargs + i];
+        }
+    }
+    if (PyTuple_GET_SIZE(self) != 8) {
+        PyErr_SetString(PyExc_TypeError, "InnerRegion.exit: not an inner entry");
+        return NULL;
+    }
+    /* if not t1: t1 = _perf_ns() */
+    if (t1 != NULL && (truth = PyObject_IsTrue(t1)) != 0) {
+        if (truth < 0) {
+            return NULL;
+        }
+        Py_INCREF(t1);
+    } else if ((fn = global(region_globals, s__perf_ns)) == NULL
+               || (t1 = PyObject_CallNoArgs(fn)) == NULL) {
+        return NULL;
+    }
+    owner = PyTuple_GET_ITEM(self, 0);
+    dom = PyTuple_GET_ITEM(self, 5);
+    rid = PyTuple_GET_ITEM(self, 6);
+    exact = Py_TYPE(owner) == region_slots.type;
+    /* owner.inner_id = outer */
+    if (exact) {
+        Py_XSETREF(SLOT(owner, region_slots.inner_id), Py_NewRef(PyTuple_GET_ITEM(self, 4)));
+    } else if (PyObject_SetAttrString(owner, "inner_id", PyTuple_GET_ITEM(self, 4)) < 0) {
+        Py_DECREF(t1);
+        return NULL;
+    }
+    if (dom != Py_None) {
+        res = rid == Py_None ? PyObject_CallMethodNoArgs(dom, s_pop_range)
+                             : PyObject_CallMethodOneArg(dom, s_end_range, rid);
+        if (res == NULL) {
+            Py_DECREF(t1);
+            return NULL;
+        }
+        Py_DECREF(res);
+    }
+    if (exact) {
+        trace_id = SLOT(owner, region_slots.trace_id);
+        thread_id = SLOT(owner, region_slots.thread_id);
+        if (trace_id == NULL || thread_id == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "perfsdk: the owner region is not entered");
+            Py_DECREF(t1);
+            return NULL;
+        }
+        Py_INCREF(trace_id);
+        Py_INCREF(thread_id);
+    } else {
+        trace_id = PyObject_GetAttrString(owner, "trace_id");
+        thread_id = trace_id == NULL ? NULL : PyObject_GetAttrString(owner, "thread_id");
+        if (thread_id == NULL) {
+            Py_XDECREF(trace_id);
+            Py_DECREF(t1);
+            return NULL;
+        }
+    }
+    if ((record = PyTuple_New(15)) == NULL) {
+        Py_DECREF(trace_id);
+        Py_DECREF(thread_id);
+        Py_DECREF(t1);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(record, 0, Py_NewRef(PyTuple_GET_ITEM(self, 1)));
+    PyTuple_SET_ITEM(record, 1, trace_id);
+    PyTuple_SET_ITEM(record, 2, Py_NewRef(PyTuple_GET_ITEM(self, 2)));
+    PyTuple_SET_ITEM(record, 3, Py_NewRef(PyTuple_GET_ITEM(self, 3)));
+    PyTuple_SET_ITEM(record, 4, Py_NewRef(PyTuple_GET_ITEM(self, 7)));
+    PyTuple_SET_ITEM(record, 5, t1);
+    PyTuple_SET_ITEM(record, 6, thread_id);
+    PyTuple_SET_ITEM(record, 7, Py_NewRef(error));
+    for (i = 8; i < 15; i++) {
+        PyTuple_SET_ITEM(record, i, Py_NewRef(Py_None));
+    }
+    /* if len(_queue) < PIPELINE.max_pending: _enqueue(record) else: PIPELINE.spill(record) */
+    if ((queue = global(region_globals, s__queue)) == NULL
+        || (pipeline = global(region_globals, s_PIPELINE)) == NULL
+        || (limit = PyObject_GetAttr(pipeline, s_max_pending)) == NULL
+        || (length = PyObject_Length(queue)) < 0) {
+        Py_DECREF(record);
+        return NULL;
+    }
+    {
+        PyObject *size = PyLong_FromSsize_t(length);
+        truth = size == NULL ? -1 : PyObject_RichCompareBool(size, limit, Py_LT);
+        Py_XDECREF(size);
+        Py_DECREF(limit);
+    }
+    if (truth < 0) {
+        Py_DECREF(record);
+        return NULL;
+    }
+    if (truth) {
+        res = (fn = global(region_globals, s__enqueue)) == NULL ? NULL
+                                                                : PyObject_CallOneArg(fn, record);
+    } else {
+        res = PyObject_CallMethodOneArg(pipeline, s_spill, record);
+    }
+    Py_DECREF(record);
+    if (res == NULL) {
+        return NULL;
+    }
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef inner_exit_def = {
+    "exit", (PyCFunction)(void (*)(void))inner_exit, METH_FASTCALL | METH_KEYWORDS,
+    "exit(error=None, t1=0): end the entry; its record goes to the pipeline (compiled).",
+};
+
+/* bind_inner(globals, InnerRegion, Region, NULL_REGION, state, fork, Context or None)
+ * -> the compiled InnerRegion.exit (a method descriptor of InnerRegion). */
+static PyObject *
+fastpath_bind_inner(PyObject *module, PyObject *args)
+{
+    PyObject *globals, *inner, *region, *null, *state, *fork, *context;
+    RegionSlots rs;
+    StateSlots ss;
+    Py_ssize_t generation;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOOO:bind_inner", &PyDict_Type, &globals, &PyType_Type,
+                          &inner, &PyType_Type, &region, &null, &state, &fork, &context)) {
+        return NULL;
+    }
+    if (!PyType_IsSubtype((PyTypeObject *)inner, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "bind_inner: InnerRegion must be a tuple subclass");
+        return NULL;
+    }
+    if (context != Py_None && !PyType_Check(context)) {
+        PyErr_SetString(PyExc_TypeError, "bind_inner: Context must be a type or None");
+        return NULL;
+    }
+    rs.type = (PyTypeObject *)region;
+    ss.type = Py_TYPE(state);
+#define OFFSET(var, type, name) if ((var = slot_offset(type, name)) < 0) return NULL;
+    OFFSET(rs.timed, rs.type, "_timed")
+    OFFSET(rs.t1, rs.type, "t1")
+    OFFSET(rs.start_event, rs.type, "start_event")
+    OFFSET(rs.thread_id, rs.type, "thread_id")
+    OFFSET(rs.gen, rs.type, "_gen")
+    OFFSET(rs.inner_id, rs.type, "inner_id")
+    OFFSET(rs.span_id, rs.type, "span_id")
+    OFFSET(rs.trace_id, rs.type, "trace_id")
+    OFFSET(ss.enabled, ss.type, "enabled")
+    OFFSET(ss.sample_every, ss.type, "sample_every")
+    OFFSET(ss.timing, ss.type, "timing")
+    OFFSET(ss.nvtx, ss.type, "nvtx")
+    OFFSET(ss.memory, ss.type, "memory")
+    OFFSET(generation, Py_TYPE(fork), "generation")
+#undef OFFSET
+    Py_INCREF(rs.type);
+    Py_INCREF(ss.type);
+    Py_XDECREF(region_slots.type);
+    Py_XDECREF(state_slots.type);
+    region_slots = rs;
+    state_slots = ss;
+    Py_XSETREF(fork_type, (PyTypeObject *)Py_NewRef(Py_TYPE(fork)));
+    fork_generation = generation;
+    Py_XSETREF(context_type, context == Py_None ? NULL : (PyTypeObject *)Py_NewRef(context));
+    Py_XSETREF(region_globals, Py_NewRef(globals));
+    Py_XSETREF(inner_type, (PyTypeObject *)Py_NewRef(inner));
+    Py_XSETREF(null_region, Py_NewRef(null));
+    return PyDescr_NewMethod(inner_type, &inner_exit_def);
+}
+
+/* NodeHook(seq, entries): the backward pre-hook of one hooked node (perfsdk/auto/backward.py,
+ * _on_node(seq, entries, grad), compiled). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *seq;
+    PyObject *entries;
+} NodeHookObject;
+
+enum { E_OPEN, E_FIRST, E_REGION, E_TASK, E_END, E_SIZE };
+
+/* Close the top entries of `stack` whose FIRST is above seq, or that are finished. */
+static int
+close_above(PyObject *stack, PyObject *seq)
+{
+    while (PyList_GET_SIZE(stack) > 0) {
+        PyObject *entry = PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1), *region, *res;
+        int above;
+        if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != E_SIZE) {
+            PyErr_SetString(PyExc_TypeError, "perfsdk: a backward entry is malformed");
+            return -1;
+        }
+        above = PyObject_RichCompareBool(PyList_GET_ITEM(entry, E_FIRST), seq, Py_GT);
+        if (above == 0) {
+            above = PyObject_RichCompareBool(PyList_GET_ITEM(entry, E_TASK), int_done, Py_EQ);
+        }
+        if (above <= 0) {
+            return above;
+        }
+        Py_INCREF(entry);
+        if (PyList_SetSlice(stack, PyList_GET_SIZE(stack) - 1, PyList_GET_SIZE(stack), NULL)
+            < 0) {
+            Py_DECREF(entry);
+            return -1;
+        }
+        region = PyList_GET_ITEM(entry, E_REGION);
+        Py_INCREF(region);
+        Py_INCREF(Py_None);
+        PyList_SetItem(entry, E_REGION, Py_None);  /* steals; cannot fail: index in range */
+        {
+            PyObject *call[3] = {region, Py_None, PyList_GET_ITEM(entry, E_END)};
+            res = PyObject_VectorcallMethod(s_exit, call,
+                                            3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        Py_DECREF(region);
+        Py_DECREF(entry);
+        if (res == NULL) {
+            return -1;
+        }
+        Py_DECREF(res);
+    }
+    return 0;
+}
+
+static int
+node_hook_run(NodeHookObject *self)
+{
+    PyObject *tls, *stack = NULL, *entries = self->entries, *task = NULL, *region;
+    Py_ssize_t i;
+    int status = -1;
+    if ((tls = global(backward_globals, s__tls)) == NULL
+        || (stack = PyObject_GetAttr(tls, s_stack)) == NULL) {
+        return -1;
+    }
+    if (!PyList_CheckExact(stack) || !PyList_CheckExact(entries)) {
+        PyErr_SetString(PyExc_TypeError, "perfsdk: backward state is malformed");
+        goto done;
+    }
+    if (close_above(stack, self->seq) < 0) {
+        goto done;
+    }
+    for (i = 0; i < PyList_GET_SIZE(entries); i++) {
+        PyObject *entry = PyList_GET_ITEM(entries, i), *fn, *current;
+        int same;
+        if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != E_SIZE) {
+            PyErr_SetString(PyExc_TypeError, "perfsdk: a backward entry is malformed");
+            goto done;
+        }
+        if (PyList_GET_ITEM(entry, E_REGION) != Py_None) { /* opened by another output */
+            continue;
+        }
+        Py_INCREF(entry);
+        Py_XDECREF(task);
+        if ((fn = global(backward_globals, s__task_id)) == NULL
+            || (task = PyObject_CallNoArgs(fn)) == NULL
+            || (current = PyObject_GetAttr(tls, s_task)) == NULL) {
+            Py_DECREF(entry);
+            goto done;
+        }
+        same = PyObject_RichCompareBool(current, task, Py_EQ);
+        Py_DECREF(current);
+        if (same < 0) {
+            Py_DECREF(entry);
+            goto done;
+        }
+        if (!same) { /* the first region this pass opens on this thread */
+            PyObject *queue_cb, *partial, *end_of_pass, *cb, *res;
+            if ((queue_cb = global(backward_globals, s__queue_callback)) == NULL
+                || (partial = global(backward_globals, s__partial)) == NULL
+                || (end_of_pass = global(backward_globals, s__end_of_pass)) == NULL) {
+                Py_DECREF(entry);
+                goto done;
+            }
+            {
+                PyObject *pargs[2] = {end_of_pass, stack};
+                cb = PyObject_Vectorcall(partial, pargs, 2, NULL);
+            }
+            res = cb == NULL ? NULL : PyObject_CallOneArg(queue_cb, cb);
+            Py_XDECREF(cb);
+            if (res == NULL || PyObject_SetAttr(tls, s_task, task) < 0) {
+                Py_XDECREF(res);
+                Py_DECREF(entry);
+                goto done;
+            }
+            Py_DECREF(res);
+        }
+        {
+            PyObject *gate = PyList_GET_ITEM(entry, E_OPEN);
+            region = Py_TYPE(gate) == &InnerGateType ? gate_open((InnerGateObject *)gate)
+                                                     : PyObject_CallNoArgs(gate);
+        }
+        if (region == NULL) {
+            Py_DECREF(entry);
+            goto done;
+        }
+        if (region == null_region) {
+            Py_DECREF(region);
+            Py_DECREF(entry);
+            continue;
+        }
+        PyList_SetItem(entry, E_REGION, region); /* steal */
+        Py_INCREF(task);
+        PyList_SetItem(entry, E_TASK, task);
+        PyList_SetItem(entry, E_END, PyLong_FromLong(0));
+        if (PyList_GET_ITEM(entry, E_END) == NULL || PyList_Append(stack, entry) < 0) {
+            Py_DECREF(entry);
+            goto done;
+        }
+        Py_DECREF(entry);
+    }
+    status = 0;
+done:
+    Py_XDECREF(task);
+    Py_XDECREF(stack);
+    return status;
+}
+
+static PyObject *
+node_hook_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    NodeHookObject *self = (NodeHookObject *)op;
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "NodeHook takes one argument (the gradients)");
+        return NULL;
+    }
+    if (backward_globals == NULL || region_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: NodeHook is not bound");
+        return NULL;
+    }
+    if (node_hook_run(self) < 0) { /* our bookkeeping must never break the user's backward */
+        PyObject *type, *value, *traceback, *warn, *res;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+            PyErr_Restore(type, value, traceback); /* KeyboardInterrupt and the like */
+            return NULL;
+        }
+        PyErr_NormalizeException(&type, &value, &traceback);
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+        warn = PyDict_GetItemWithError(backward_globals, s__warn);
+        res = warn == NULL ? NULL : PyObject_CallOneArg(warn, value);
+        Py_XDECREF(value);
+        if (res == NULL) {
+            PyErr_WriteUnraisable(op);
+        }
+        Py_XDECREF(res);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *seq, *entries;
+    NodeHookObject *self;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "NodeHook takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!O!:NodeHook", &PyLong_Type, &seq, &PyList_Type, &entries)) {
+        return NULL;
+    }
+    self = (NodeHookObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->vectorcall = node_hook_vectorcall;
+    self->seq = Py_NewRef(seq);
+    self->entries = Py_NewRef(entries);
+    return (PyObject *)self;
+}
+
+static int
+node_hook_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    NodeHookObject *self = (NodeHookObject *)op;
+    Py_VISIT(self->seq);
+    Py_VISIT(self->entries);
+    return 0;
+}
+
+static int
+node_hook_clear(PyObject *op)
+{
+    NodeHookObject *self = (NodeHookObject *)op;
+    Py_CLEAR(self->seq);
+    Py_CLEAR(self->entries);
+    return 0;
+}
+
+static void
+node_hook_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    node_hook_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyObject *
+node_hook_repr(PyObject *op)
+{
+    NodeHookObject *self = (NodeHookObject *)op;
+    return PyUnicode_FromFormat("<perfsdk._fastpath.NodeHook seq=%R, %zd entries>", self->seq,
+                                PyList_GET_SIZE(self->entries));
+}
+
+static PyTypeObject NodeHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.NodeHook",
+    .tp_doc = "NodeHook(seq, entries): hook(grad) is perfsdk.auto.backward._on_node(seq, "
+              "entries, grad), compiled.",
+    .tp_basicsize = sizeof(NodeHookObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(NodeHookObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = node_hook_new,
+    .tp_dealloc = node_hook_dealloc,
+    .tp_traverse = node_hook_traverse,
+    .tp_clear = node_hook_clear,
+    .tp_repr = node_hook_repr,
+};
+
+/* bind_backward(globals): perfsdk.auto.backward's module dict, for NodeHook. */
+static PyObject *
+fastpath_bind_backward(PyObject *module, PyObject *globals)
+{
+    if (!PyDict_Check(globals)) {
+        PyErr_SetString(PyExc_TypeError, "bind_backward: expects a module's globals dict");
+        return NULL;
+    }
+    Py_XSETREF(backward_globals, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 fastpath_maxrss(PyObject *module, PyObject *unused)
 {
@@ -206,6 +1082,11 @@ fastpath_maxrss(PyObject *module, PyObject *unused)
 static PyMethodDef fastpath_methods[] = {
     {"maxrss", fastpath_maxrss, METH_NOARGS,
      "maxrss() -> int: the process's peak resident set size in bytes (ru_maxrss)."},
+    {"bind_inner", fastpath_bind_inner, METH_VARARGS,
+     "bind_inner(globals, InnerRegion, Region, NULL_REGION, state, fork, Context) -> the "
+     "compiled InnerRegion.exit."},
+    {"bind_backward", fastpath_bind_backward, METH_O,
+     "bind_backward(globals): perfsdk.auto.backward's globals, for NodeHook."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -222,6 +1103,24 @@ PyInit__fastpath(void)
 {
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL) {
+        return NULL;
+    }
+    if (intern_names() < 0 || (int_64 = PyLong_FromLong(64)) == NULL
+        || (int_done = PyLong_FromLong(-2)) == NULL || PyType_Ready(&NodeHookType) < 0
+        || PyType_Ready(&InnerGateType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&NodeHookType);
+    if (PyModule_AddObject(module, "NodeHook", (PyObject *)&NodeHookType) < 0) {
+        Py_DECREF(&NodeHookType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&InnerGateType);
+    if (PyModule_AddObject(module, "InnerGate", (PyObject *)&InnerGateType) < 0) {
+        Py_DECREF(&InnerGateType);
+        Py_DECREF(module);
         return NULL;
     }
 #ifdef PERFSDK_NVTX

@@ -17,3 +17,24 @@ class NvtxCall:
     def __call__(self, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any] | None, /) -> Any:
         """``fn(*args, **kwargs)`` inside the NVTX range (popped also when ``fn`` raises)."""
+
+def bind_inner(globals: dict[str, Any], inner: type, region: type, null_region: object,
+               state: object, fork: object, context: type | None, /) -> Any:
+    """Hand ``perfsdk.region``'s globals and types over; return the compiled
+    ``InnerRegion.exit`` (a method descriptor of ``inner``)."""
+
+def bind_backward(globals: dict[str, Any], /) -> None:
+    """Hand ``perfsdk.auto.backward``'s globals over, for :class:`NodeHook`."""
+
+class InnerGate:
+    """``InnerGate(spec)()`` is ``spec.open_inner()`` (after :func:`bind_inner`)."""
+
+    def __init__(self, spec: Any, /) -> None: ...
+    def __call__(self) -> Any: ...
+
+class NodeHook:
+    """``NodeHook(seq, entries)(grad)`` is ``perfsdk.auto.backward._on_node(seq, entries,
+    grad)`` (after :func:`bind_backward`)."""
+
+    def __init__(self, seq: int, entries: list[list[Any]], /) -> None: ...
+    def __call__(self, grad: Any, /) -> None: ...

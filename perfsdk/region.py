@@ -55,6 +55,7 @@ from perfsdk import _device, clocks, markers
 from perfsdk import context as _ctx
 from perfsdk import memory as _memory
 from perfsdk import record as _record
+from perfsdk.config import extensions_enabled
 from perfsdk.config import state as _state
 from perfsdk.pipeline import FORK as _FORK
 from perfsdk.pipeline import PIPELINE
@@ -769,3 +770,32 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         state = ("not recorded" if not self.recorded else "running" if not self.t1
                  else f"{self.host_ms:.3f} ms")
         return f"<Region {self.spec.name!r} {state}>"
+
+
+
+def _inner_gate_python(spec: RegionSpec) -> Callable[[], Region | NullRegion | InnerRegion]:
+    return spec.open_inner
+
+
+inner_gate: Callable[[RegionSpec], Callable[[], Region | NullRegion | InnerRegion]] = (
+    _inner_gate_python)
+"""``inner_gate(spec)()`` is ``spec.open_inner()``: for the per-module hot paths
+(:mod:`perfsdk.auto`), which make a gate per module once. Where perfsdk's compiled module is
+built it is ``perfsdk._fastpath.InnerGate``: the same code without a Python frame, with the
+spec's fixed fields read once and the Region's and settings' slots read directly; whatever
+is off its fast path (sampling, no owner to ride on) it hands to :meth:`RegionSpec.open_inner`.
+There :meth:`InnerRegion.exit` is compiled too."""
+
+exit_inner_python = InnerRegion.exit
+"""The pure-Python :meth:`InnerRegion.exit` (the compiled one replaces it on the class)."""
+
+_fastpath: Any = None
+if extensions_enabled():
+    try:  # optional: built at install where a C compiler is found
+        import perfsdk._fastpath as _fastpath
+    except ImportError:
+        _fastpath = None
+if _fastpath is not None and hasattr(_fastpath, "InnerGate"):
+    InnerRegion.exit = _fastpath.bind_inner(  # type: ignore[method-assign]
+        globals(), InnerRegion, Region, NULL_REGION, _state, _FORK, _Context)
+    inner_gate = _fastpath.InnerGate

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from perfsdk import region as _region
 from perfsdk.errors import warn_once
-from perfsdk.region import NULL_REGION, RegionSpec, now_ns
+from perfsdk.region import NULL_REGION, now_ns
 
 __all__ = ["close_stale", "first_node", "forward_done", "input_nodes", "track"]
 
@@ -63,10 +65,11 @@ _NO_NODE = 2**64
 """Above every node's sequence number."""
 
 # An entry: one forward call's backward region, a list so that its hot path allocates no
-# object of ours. [SPEC, FIRST, REGION (None while closed), TASK (the graph task it opened in,
+# object of ours. [OPEN (opens its region: the spec's open_inner, from region.inner_gate),
+# FIRST, REGION (None while closed), TASK (the graph task it opened in,
 # _DONE once finished), END (the host clock reading to end at when another thread finished
 # it, else 0: now)]
-SPEC, FIRST, REGION, TASK, END = range(5)
+OPEN, FIRST, REGION, TASK, END = range(5)
 
 
 class _State(threading.local):
@@ -131,7 +134,7 @@ def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
                 tls.task = task
             # every=1: the forward call was the sample; an InnerRegion when it nests in the
             # current Region (the outermost backward region open, usually)
-            region = entry[SPEC].open_inner()
+            region = entry[OPEN]()
             if region is NULL_REGION:
                 continue
             entry[REGION] = region
@@ -140,6 +143,15 @@ def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
             stack.append(entry)
     except Exception as exc:  # our bookkeeping must never break the user's backward
         _warn(exc)
+
+
+_make_hook: Any = _partial(_partial, _on_node)
+"""``_make_hook(seq, entries)``: a hooked node's pre-hook, ``_on_node(seq, entries, grad)``
+when called; compiled (``perfsdk._fastpath.NodeHook``, the same code) where
+:data:`perfsdk.region.inner_gate` is."""
+if _region._fastpath is not None and _region.inner_gate is _region._fastpath.InnerGate:
+    _region._fastpath.bind_backward(globals())
+    _make_hook = _region._fastpath.NodeHook
 
 
 def _warn(exc: Exception) -> None:
@@ -151,7 +163,7 @@ def _register(node: Any, nodes: dict[Any, list[list[Any]]]) -> list[list[Any]]:
     """Hook ``node`` (once per forward call on this thread); the list of entries it opens."""
     entries: list[list[Any]] = []
     nodes[node] = entries
-    node.register_prehook(_partial(_on_node, node._sequence_nr(), entries))
+    node.register_prehook(_make_hook(node._sequence_nr(), entries))
     return entries
 
 
@@ -176,7 +188,7 @@ def _register_output(tensor: torch.Tensor, node: Any, seq: int,
     ``register_hook`` may mean something else), gets a node pre-hook."""
     entries: list[list[Any]] = []
     nodes[node] = entries
-    hook = _partial(_on_node, seq, entries)
+    hook = _make_hook(seq, entries)
     if type(tensor) is _Tensor and tensor._backward_hooks is None:
         tensor._backward_hooks = _Hooks(((_HOOK_KEY, hook),))
         node._register_hook_dict(tensor)
@@ -185,8 +197,9 @@ def _register_output(tensor: torch.Tensor, node: Any, seq: int,
     return entries
 
 
-def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
-    """Hook the backward of one forward call, for which ``first`` was read from
+def track(open_: Callable[[], Any], first: int, inputs: Any, output: Any) -> bool:
+    """Hook the backward of one forward call, whose region ``open_()`` opens (the backward
+    spec's gate, :data:`perfsdk.region.inner_gate`), for which ``first`` was read from
     :func:`first_node` before its forward ran, with the ``grad_fn`` of its inputs (one node or
     None for a single input tensor, else :func:`input_nodes`). False when the call created no
     autograd node that reaches its output."""
@@ -197,12 +210,12 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
         if node is not None:
             seq = node._sequence_nr()
             if seq >= first:
-                entry = [spec, first, None, None, 0]
+                entry = [open_, first, None, None, 0]
                 entries = nodes.get(node)
                 if entries is None:  # _register_output, written out: one Python call less
                     # per module call (~1,500 instructions, callgrind; the 3x budget is tight)
                     entries = nodes[node] = [entry]
-                    hook = _partial(_on_node, seq, entries)
+                    hook = _make_hook(seq, entries)
                     if type(output) is _Tensor and output._backward_hooks is None:
                         output._backward_hooks = _Hooks(((_HOOK_KEY, hook),))
                         node._register_hook_dict(output)
@@ -220,7 +233,7 @@ def track(spec: RegionSpec, first: int, inputs: Any, output: Any) -> bool:
             if seq >= first:
                 seen.append(node)
                 if entry is None:
-                    entry = [spec, first, None, None, 0]
+                    entry = [open_, first, None, None, 0]
                 entries = nodes.get(node)
                 if entries is None:
                     entries = _register_output(t, node, seq, nodes)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from perfsdk import region as _region
 from perfsdk.auto import backward as _bwd
 from perfsdk.auto.steps import autocast_dtype
 from perfsdk.config import state as _state
@@ -90,12 +91,15 @@ _tls = _State()
 class _Probe:
     """The regions of one instrumented module: built once, when it is instrumented."""
 
-    __slots__ = ("bwd", "live", "root", "spec")
+    __slots__ = ("bwd", "bwd_open", "live", "open", "root", "spec")
 
     def __init__(self, name: str, path: str, backward: bool, root: bool,
                  state: tuple[tuple[str, Any], ...] = ()) -> None:
         self.spec = _spec(name, "module", path, state)
         self.bwd = _spec(f"{name}.backward", "module.backward", path) if backward else None
+        # open() is spec.open_inner(), compiled where perfsdk._fastpath is (region.inner_gate)
+        self.open = _region.inner_gate(self.spec)
+        self.bwd_open = None if self.bwd is None else _region.inner_gate(self.bwd)
         self.root = root
         self.live = True
         """False once removed: a wrapper left in someone else's chain only passes through."""
@@ -142,7 +146,8 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
     :class:`~perfsdk.region.InnerRegion` riding on its model's (``RegionSpec.open_inner``).
     """
     spec = probe.spec
-    bwd = probe.bwd
+    open_ = probe.open
+    bwd = probe.bwd_open
     enter_root = probe.enter_root if probe.root else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -150,7 +155,7 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
             if inner is not None:
                 return inner(*args, **kwargs)
             return type(self).forward(self, *args, **kwargs)
-        region = spec.open_inner() if enter_root is None else enter_root()
+        region = open_() if enter_root is None else enter_root()
         first = -1
         inputs: Any = None
         if bwd is not None and region is not NULL_REGION and _grad_enabled():

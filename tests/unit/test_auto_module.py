@@ -1,5 +1,9 @@
 """instrument_module: per-module forward and backward regions on real nn.Modules, the
-Transformer fast path kept (seen by torch.profiler), one graph under torch.compile."""
+Transformer fast path kept (seen by torch.profiler), one graph under torch.compile.
+
+Every test runs twice: with the compiled inner entries and backward hook
+(``perfsdk._fastpath``: ``open_inner``, ``InnerRegion.exit``, ``NodeHook``) where the module is
+built, and with their pure-Python twins."""
 
 from __future__ import annotations
 
@@ -12,11 +16,35 @@ import torch
 from torch import nn
 
 import perfsdk
+import perfsdk.auto.backward as _bwd
+from perfsdk import region as _region
 from perfsdk.auto import instrument_module
 from perfsdk.context import current_span
-from perfsdk.region import Region
+from perfsdk.region import InnerRegion, Region
 from perfsdk.testing import capture
 from perfsdk.testing.models import SimpleNet, encoder
+
+_COMPILED = (_region._fastpath is not None
+             and _region.inner_gate is getattr(_region._fastpath, "InnerGate", None))
+
+
+@pytest.fixture(autouse=True, params=[
+    pytest.param("compiled", marks=pytest.mark.skipif(
+        not _COMPILED, reason="perfsdk._fastpath is not built (or PERFSDK_DISABLE_EXTENSIONS)")),
+    "python"])
+def implementation(request: pytest.FixtureRequest,
+                   monkeypatch: pytest.MonkeyPatch) -> str:
+    """Inner entries and the backward hook: compiled (as perfsdk chose at import) or the
+    pure-Python twins."""
+    if request.param == "compiled":
+        assert _bwd._make_hook is _region._fastpath.NodeHook
+        assert InnerRegion.exit is not _region.exit_inner_python
+    else:  # gates are made when a module is instrumented: after this
+        monkeypatch.setattr(_region, "inner_gate", _region._inner_gate_python)
+        monkeypatch.setattr(_bwd, "_make_hook", _bwd._partial(_bwd._partial, _bwd._on_node))
+        monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
+    return str(request.param)
+
 
 CHILDREN = ["conv1", "conv2", "conv3", "pool", "fc1", "fc2", "relu"]
 
@@ -284,18 +312,17 @@ def _counting_registrations():  # type: ignore[no-untyped-def]
     import perfsdk.auto.backward as bwd
 
     registered = []
-    original = bwd._partial
+    original = bwd._make_hook
 
-    def counting(fn, *args):  # type: ignore[no-untyped-def]
-        if fn is bwd._on_node:  # a node's pre-hook, partial(_on_node, seq, entries)
-            registered.append(args[0])
-        return original(fn, *args)
+    def counting(seq, entries):  # type: ignore[no-untyped-def]
+        registered.append(seq)  # a node's pre-hook, _on_node(seq, entries, grad) when called
+        return original(seq, entries)
 
-    bwd._partial = counting
+    bwd._make_hook = counting
     try:
         yield registered
     finally:
-        bwd._partial = original
+        bwd._make_hook = original
 
 
 def test_a_node_that_ends_one_call_and_starts_another_has_one_hook():

@@ -1,8 +1,10 @@
 """perfsdk._fastpath, the optional compiled hot path, and the switch that ignores it.
 
 What the compiled NVTX range records is checked through the NVTX injection library in
-tests/integration/test_nvtx_fastpath.py (against the pure-Python path); here: calling
-conventions, exceptions, references, and that perfsdk imports and works without the module.
+tests/integration/test_nvtx_fastpath.py (against the pure-Python path), and instrument_module
+with the compiled inner entries and node hook in tests/unit/test_auto_module.py (every test
+twice, against the Python twins); here: calling conventions, exceptions, references, records
+equal to the Python twin's, and that perfsdk imports and works without the module.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Any
 import pytest
 
 import perfsdk
-from perfsdk import markers
+from perfsdk import markers, region
 from perfsdk.config import extensions_enabled
+from perfsdk.region import RegionSpec
+from perfsdk.testing import FakeClock, capture, use_fake_clock
 
 try:
     from perfsdk import _fastpath
@@ -165,3 +169,150 @@ def test_perfsdk_works_without_the_extension(how: str) -> None:
                           timeout=120, check=False, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+# -- inner entries and the backward node hook (instrument_module's hot path) ------------------
+needs_inner = pytest.mark.skipif(
+    _fastpath is None or not hasattr(_fastpath, "InnerGate")
+    or region.inner_gate is not _fastpath.InnerGate,
+    reason="perfsdk._fastpath is not built (or PERFSDK_DISABLE_EXTENSIONS)")
+
+
+def _entries(gate: Any, clock: FakeClock) -> None:
+    """A model region holding nested and sibling inner entries, one raising."""
+    with perfsdk.timed_region("model"):
+        a = gate("a")()
+        clock.advance(1)
+        b = gate("b")()
+        clock.advance(2)
+        b.exit(None)
+        a.exit(None, 0)
+        clock.advance(3)
+        c = gate("c")()
+        with perfsdk.timed_region("inside.c"):
+            clock.advance(4)
+        c.exit(error=KeyError("k"))
+        d = gate("d")()
+        d.exit(t1=clock() + 5_000_000)
+
+
+@needs_inner
+def test_compiled_inner_entries_record_what_the_python_twin_records(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same ids (seeded), parents, times, errors and names, compiled and in Python."""
+    specs = {name: RegionSpec.create(f"fast.{name}") for name in "abcd"}
+    runs = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(region.InnerRegion, "exit", region.exit_inner_python)
+        make = _fastpath.InnerGate if compiled else region._inner_gate_python
+        region._ids.seed(1234)
+        with use_fake_clock() as clock, capture() as cap:
+            _entries(lambda name: make(specs[name]), clock)  # noqa: B023
+        t0 = cap.named("model")[0].start_ns  # each fake clock starts at the real time
+        runs.append([(r.name, r.span_id, r.parent_span_id, r.start_ns - t0, r.end_ns - t0,
+                      type(r.error).__name__) for r in cap.regions])
+    compiled_run, python_run = runs
+    assert compiled_run == python_run
+    by_name = {row[0]: row for row in compiled_run}
+    assert by_name["fast.b"][2] == by_name["fast.a"][1]  # nested: a is b's parent
+    assert by_name["fast.a"][2] == by_name["model"][1]
+    assert by_name["inside.c"][2] == by_name["fast.c"][1]  # the owner stood for c
+    assert by_name["fast.c"][5] == "KeyError"
+    assert by_name["fast.d"][4] - by_name["fast.d"][3] == 5_000_000
+
+
+@needs_inner
+def test_compiled_gate_hands_what_is_off_its_fast_path_to_python() -> None:
+    spec = RegionSpec.create("fast.off")
+    gate = _fastpath.InnerGate(spec)
+    entry = gate()  # no current region: a Region of its own
+    assert type(entry) is region.Region
+    entry.exit(None)
+    with perfsdk.timed_region("model"):
+        entry = gate()
+        assert type(entry) is region.InnerRegion
+        entry.exit(None)
+        perfsdk.configure(memory=True)  # a memory reading: a Region of its own
+        try:
+            entry = gate()
+            assert type(entry) is region.Region
+            entry.exit(None)
+        finally:
+            perfsdk.configure(memory=False)
+    perfsdk.configure(enabled=False)
+    try:
+        assert gate() is region.NULL_REGION
+    finally:
+        perfsdk.configure(enabled=True)
+    sampled = _fastpath.InnerGate(RegionSpec.create("fast.sampled", every=2))
+    with capture() as cap, perfsdk.timed_region("model"):
+        kinds = []
+        for _ in range(4):
+            entry = sampled()
+            kinds.append(type(entry).__name__)
+            entry.exit(None)
+    assert kinds == ["InnerRegion", "NullRegion"] * 2
+    assert len(cap.named("fast.sampled")) == 2
+
+
+@needs_inner
+def test_compiled_inner_entries_keep_no_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of entries leave the owner as they found it and no objects behind."""
+    monkeypatch.setattr(region, "_enqueue", lambda record: None)  # records dropped here
+    gate = _fastpath.InnerGate(RegionSpec.create("fast.refs"))
+    with perfsdk.timed_region("model") as owner:
+        before = sys.getrefcount(owner), owner.inner_id
+        for _ in range(100):  # warm: caches, free lists
+            gate().exit(None)
+        around = gate()  # the entries below nest in it: its span id is each one's parent
+        held = owner.inner_id
+        refs = sys.getrefcount(held)
+        blocks = sys.getallocatedblocks()
+        for _ in range(5000):
+            entry = gate()
+            entry.exit(None)
+            del entry
+        grown = sys.getallocatedblocks() - blocks
+        assert sys.getrefcount(held) == refs
+        around.exit(None)
+        del around
+        assert (sys.getrefcount(owner), owner.inner_id) == before
+    assert grown < 500  # one leaked int per entry would be 5000
+
+
+@needs_inner
+def test_compiled_exit_checks_its_arguments() -> None:
+    gate = _fastpath.InnerGate(RegionSpec.create("fast.args"))
+    with perfsdk.timed_region("model"):
+        entry = gate()
+        with pytest.raises(TypeError, match="at most 2"):
+            entry.exit(None, 0, 1)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'when'"):
+            entry.exit(when=1)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'error'"):
+            entry.exit(None, error=None)
+        entry.exit(None)
+    with pytest.raises(TypeError, match="no arguments"):
+        gate(1)
+    with pytest.raises(TypeError):
+        _fastpath.InnerGate()
+    assert "fast.args" in repr(gate)
+
+
+@needs_inner
+def test_compiled_node_hook_warns_instead_of_breaking_backward() -> None:
+    """Its bookkeeping failing (here: a malformed entry) warns once; backward goes on."""
+    from perfsdk.auto import backward
+
+    hook = _fastpath.NodeHook(5, [["not", "an", "entry"]])
+    assert backward._make_hook is _fastpath.NodeHook
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert hook(None) is None
+    assert any("backward region of instrument_module failed" in str(w.message) for w in caught)
+    with pytest.raises(TypeError):
+        _fastpath.NodeHook(5, (), 1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="one argument"):
+        hook()
+    assert repr(hook) == "<perfsdk._fastpath.NodeHook seq=5, 1 entries>"
