@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,20 +147,62 @@ MODES = {"disabled": {"PERFSDK_ENABLED": "0"}, "sampled": {"PERFSDK_SAMPLE_EVERY
 not what a disabled or sampled run records; what must hold is that the code itself runs: no
 ``None`` where it formats a time, no missing handle."""
 
-@pytest.mark.parametrize("mode", MODES)
+
+def run_concurrently(runs: dict[str, tuple[list[str], Path, dict[str, str]]],
+                     ) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Start ``python *args`` for each ``name: (args, cwd, env)`` at once and wait for all,
+    each within ``TIMEOUT`` of the start: one still running then is killed, with the others,
+    and the test fails. Output goes to files beside each cwd, not pipes: no run blocks on a
+    full pipe while another is waited for."""
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path, Path]] = {}
+    try:
+        for name, (args, cwd, env) in runs.items():
+            stdout, stderr = cwd.parent / f"{name}.stdout", cwd.parent / f"{name}.stderr"
+            with stdout.open("wb") as out, stderr.open("wb") as err:
+                proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env,
+                                        stdout=out, stderr=err)
+            procs[name] = proc, stdout, stderr
+        deadline = time.monotonic() + TIMEOUT
+        for name, (proc, _, stderr) in procs.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                tail = stderr.read_text(errors="replace")[-6000:]
+                pytest.fail(f"{name}: still running after {TIMEOUT} s, killed\n"
+                            f"--- stderr ---\n{tail}")
+    finally:
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {
+        name: subprocess.CompletedProcess(
+            proc.args, proc.returncode, stdout.read_text(errors="replace"),
+            stderr.read_text(errors="replace"))
+        for name, (proc, stdout, stderr) in procs.items()
+    }
+
+
 @pytest.mark.parametrize("source", [*RUNNABLE, *EXAMPLES],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_docs_and_examples_run_disabled_and_sampled(source: Path, mode: str, tmp_path: Path,
+def test_docs_and_examples_run_disabled_and_sampled(source: Path, tmp_path: Path,
                                                     otlp_http: OTLPReceiver) -> None:
-    if source.suffix == ".md":
-        script = tmp_path / f"{source.name}.py"
-        script.write_text(markdown_script(source.read_text()))
-    else:
-        script = source
-    env = clean_env(PERFSDK_OUTPUT_DIR=str(tmp_path / "out"),
-                    OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http.base_endpoint, **MODES[mode])
-    proc = run_python(["-O", str(script)], cwd=tmp_path, env=env)
-    assert_clean_run(proc, f"{source.relative_to(ROOT)} with {MODES[mode]}")
+    """Each mode of MODES in its own subprocess, cwd and output directory; the modes of one
+    source run at the same time."""
+    runs: dict[str, tuple[list[str], Path, dict[str, str]]] = {}
+    for mode, settings in MODES.items():
+        cwd = tmp_path / mode
+        cwd.mkdir()
+        if source.suffix == ".md":
+            script = cwd / f"{source.name}.py"
+            script.write_text(markdown_script(source.read_text()))
+        else:
+            script = source
+        env = clean_env(PERFSDK_OUTPUT_DIR=str(cwd / "out"),
+                        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http.base_endpoint, **settings)
+        runs[mode] = ["-O", str(script)], cwd, env
+    for mode, proc in run_concurrently(runs).items():
+        assert_clean_run(proc, f"{source.relative_to(ROOT)} {mode} with {MODES[mode]}")
 
 
 # -- examples --------------------------------------------------------------------------------------
