@@ -15,10 +15,11 @@
  *   building a struct_rusage object. On Linux it asks for RUSAGE_THREAD: the kernel reports the
  *   address space's high-water mark for it too (the same value as RUSAGE_SELF), without
  *   summing the CPU times of every thread.
- * - InnerGate(spec) and InnerRegion.exit (perfsdk/region.py: inner_gate, RegionSpec.open_inner)
- *   and NodeHook(seq, entries) (perfsdk/auto/backward.py: _on_node): instrument_module's
- *   per-module entries and backward hook, statement for statement the code of their Python
- *   twins, without a Python frame. A gate reads its spec's fixed fields once; the settings'
+ * - InnerGate(spec) and InnerRegion.exit (perfsdk/region.py: inner_gate, RegionSpec.open_inner),
+ *   NodeHook(seq, entries) and track() (perfsdk/auto/backward.py: _on_node, track):
+ *   instrument_module's per-module entries, the hooking of a call's backward at its forward
+ *   and the backward hook, statement for statement the code of their Python twins, without
+ *   a Python frame. A gate reads its spec's fixed fields once; the settings'
  *   and the owner Region's __slots__ are read by offset (after an exact type check), and the
  *   modules' globals at every call (bind_inner / bind_backward hand the dicts over), so what a
  *   test swaps there (the host clock) is seen here too. Whatever is off the fast path
@@ -225,7 +226,10 @@ static PyObject *int_64, *int_done;
     X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) X(end_range) X(start_range) \
     X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) X(_enqueue) X(_tls) X(stack) \
     X(task) X(_task_id) X(_queue_callback) X(_end_of_pass) X(_partial) X(_warn) X(exit) \
-    X(error) X(t1) X(every) X(memory) X(nvtx) X(domain) X(attributes) X(asynchronous) X(index)
+    X(error) X(t1) X(every) X(memory) X(nvtx) X(domain) X(attributes) X(asynchronous) X(index) \
+    X(nodes) X(grad_fn) X(_sequence_nr) X(_backward_hooks) X(_register_hook_dict) \
+    X(register_prehook) X(_Tensor) X(_Hooks) X(_HOOK_KEY) X(_register) X(_make_hook) \
+    X(track_python)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -1048,6 +1052,188 @@ static PyTypeObject NodeHookType = {
     .tp_repr = node_hook_repr,
 };
 
+static PyObject *
+node_hook_make(PyObject *seq, PyObject *entries)
+{
+    NodeHookObject *self = PyObject_GC_New(NodeHookObject, &NodeHookType);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->vectorcall = node_hook_vectorcall;
+    self->seq = Py_NewRef(seq);
+    self->entries = Py_NewRef(entries);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+/* Hook `node` (the grad_fn of `tensor`) for a new list of entries holding `entry`:
+ * _register_output's body (the tensor's _backward_hooks, else a node pre-hook). */
+static int
+hook_output(PyObject *tensor, PyObject *node, PyObject *seq, PyObject *entry, PyObject *nodes)
+{
+    PyObject *entries, *make, *hook, *hooks, *res;
+    int status = -1;
+    if ((entries = PyList_New(1)) == NULL) {
+        return -1;
+    }
+    PyList_SET_ITEM(entries, 0, Py_NewRef(entry));
+    if (PyDict_SetItem(nodes, node, entries) < 0
+        || (make = global(backward_globals, s__make_hook)) == NULL) {
+        Py_DECREF(entries);
+        return -1;
+    }
+    if (make == (PyObject *)&NodeHookType) {
+        hook = node_hook_make(seq, entries);
+    } else { /* a test counting registrations */
+        PyObject *args[2] = {seq, entries};
+        hook = PyObject_Vectorcall(make, args, 2, NULL);
+    }
+    Py_DECREF(entries);
+    if (hook == NULL || (hooks = PyObject_GetAttr(tensor, s__backward_hooks)) == NULL) {
+        Py_XDECREF(hook);
+        return -1;
+    }
+    Py_DECREF(hooks);
+    if (hooks == Py_None) { /* tensor._backward_hooks = _Hooks(((_HOOK_KEY, hook),)) */
+        PyObject *cls = global(backward_globals, s__Hooks);
+        PyObject *key = cls == NULL ? NULL : global(backward_globals, s__HOOK_KEY);
+        PyObject *items = key == NULL ? NULL : Py_BuildValue("((OO))", key, hook);
+        hooks = items == NULL ? NULL : PyObject_CallOneArg(cls, items);
+        Py_XDECREF(items);
+        if (hooks == NULL || PyObject_SetAttr(tensor, s__backward_hooks, hooks) < 0) {
+            Py_XDECREF(hooks);
+            goto done;
+        }
+        Py_DECREF(hooks);
+        res = PyObject_CallMethodOneArg(node, s__register_hook_dict, tensor);
+    } else {
+        res = PyObject_CallMethodOneArg(node, s_register_prehook, hook);
+    }
+    if (res != NULL) {
+        Py_DECREF(res);
+        status = 0;
+    }
+done:
+    Py_DECREF(hook);
+    return status;
+}
+
+/* track(open_, first, inputs, output): perfsdk.auto.backward.track, compiled for an output
+ * that is a plain torch.Tensor; any other output goes to the Python twin (track_python). */
+static PyObject *
+fastpath_track(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *open_, *first, *inputs, *output, *tensor_type, *node, *seq = NULL, *entry = NULL;
+    PyObject *tls, *nodes = NULL, *entries, *result = NULL;
+    int above;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "track(open_, first, inputs, output)");
+        return NULL;
+    }
+    if (backward_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: bind_backward() was not called");
+        return NULL;
+    }
+    open_ = args[0];
+    first = args[1];
+    inputs = args[2];
+    output = args[3];
+    if ((tensor_type = global(backward_globals, s__Tensor)) == NULL) {
+        return NULL;
+    }
+    if ((PyObject *)Py_TYPE(output) != tensor_type) {
+        PyObject *python = global(backward_globals, s_track_python);
+        return python == NULL ? NULL : PyObject_Vectorcall(python, args, 4, NULL);
+    }
+    if ((node = PyObject_GetAttr(output, s_grad_fn)) == NULL) {
+        return NULL;
+    }
+    if (node == Py_None) {
+        Py_DECREF(node);
+        Py_RETURN_FALSE;
+    }
+    if ((seq = PyObject_CallMethodNoArgs(node, s__sequence_nr)) == NULL
+        || (above = PyObject_RichCompareBool(seq, first, Py_GE)) < 0) {
+        goto done;
+    }
+    if (!above) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    if ((tls = global(backward_globals, s__tls)) == NULL
+        || (nodes = PyObject_GetAttr(tls, s_nodes)) == NULL) {
+        goto done;
+    }
+    if (!PyDict_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "perfsdk: backward state is malformed");
+        goto done;
+    }
+    /* entry = [open_, first, None, None, 0] */
+    if ((entry = PyList_New(5)) == NULL) {
+        goto done;
+    }
+    PyList_SET_ITEM(entry, E_OPEN, Py_NewRef(open_));
+    PyList_SET_ITEM(entry, E_FIRST, Py_NewRef(first));
+    PyList_SET_ITEM(entry, E_REGION, Py_NewRef(Py_None));
+    PyList_SET_ITEM(entry, E_TASK, Py_NewRef(Py_None));
+    PyList_SET_ITEM(entry, E_END, PyLong_FromLong(0));
+    if (PyList_GET_ITEM(entry, E_END) == NULL) {
+        goto done;
+    }
+    if ((entries = PyDict_GetItemWithError(nodes, node)) != NULL) {
+        /* hooked last, the outermost call: it opens first */
+        if (!PyList_Check(entries) || PyList_Insert(entries, 0, entry) < 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "perfsdk: backward state is malformed");
+            }
+            goto done;
+        }
+    } else if (PyErr_Occurred() || hook_output(output, node, seq, entry, nodes) < 0) {
+        goto done;
+    }
+    /* the inputs' grad_fn: where this call's backward ends (_register; rare past the first) */
+    if (inputs != Py_None) {
+        int known = PyList_CheckExact(inputs) ? 0 : PyDict_Contains(nodes, inputs);
+        if (known < 0) {
+            goto done;
+        }
+        if (!known) {
+            PyObject *register_ = global(backward_globals, s__register), *res;
+            if (register_ == NULL) {
+                goto done;
+            }
+            if (PyList_CheckExact(inputs)) {
+                Py_ssize_t i;
+                for (i = 0; i < PyList_GET_SIZE(inputs); i++) {
+                    PyObject *input = PyList_GET_ITEM(inputs, i), *call[2];
+                    if (input == Py_None || (known = PyDict_Contains(nodes, input)) > 0) {
+                        continue;
+                    }
+                    call[0] = input;
+                    call[1] = nodes;
+                    if (known < 0 || (res = PyObject_Vectorcall(register_, call, 2, NULL)) == NULL) {
+                        goto done;
+                    }
+                    Py_DECREF(res);
+                }
+            } else {
+                PyObject *call[2] = {inputs, nodes};
+                if ((res = PyObject_Vectorcall(register_, call, 2, NULL)) == NULL) {
+                    goto done;
+                }
+                Py_DECREF(res);
+            }
+        }
+    }
+    result = Py_NewRef(Py_True);
+done:
+    Py_DECREF(node);
+    Py_XDECREF(seq);
+    Py_XDECREF(entry);
+    Py_XDECREF(nodes);
+    return result;
+}
+
 /* bind_backward(globals): perfsdk.auto.backward's module dict, for NodeHook. */
 static PyObject *
 fastpath_bind_backward(PyObject *module, PyObject *globals)
@@ -1085,6 +1271,8 @@ static PyMethodDef fastpath_methods[] = {
     {"bind_inner", fastpath_bind_inner, METH_VARARGS,
      "bind_inner(globals, InnerRegion, Region, NULL_REGION, state, fork, Context) -> the "
      "compiled InnerRegion.exit."},
+    {"track", (PyCFunction)(void (*)(void))fastpath_track, METH_FASTCALL,
+     "track(open_, first, inputs, output): perfsdk.auto.backward.track, compiled."},
     {"bind_backward", fastpath_bind_backward, METH_O,
      "bind_backward(globals): perfsdk.auto.backward's globals, for NodeHook."},
     {NULL, NULL, 0, NULL},

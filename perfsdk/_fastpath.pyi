@@ -38,3 +38,7 @@ class NodeHook:
 
     def __init__(self, seq: int, entries: list[list[Any]], /) -> None: ...
     def __call__(self, grad: Any, /) -> None: ...
+
+def track(open_: Callable[[], Any], first: int, inputs: Any, output: Any, /) -> bool:
+    """``perfsdk.auto.backward.track``, compiled for an output that is a plain tensor (after
+    :func:`bind_backward`)."""

@@ -148,10 +148,7 @@ def _on_node(seq: int, entries: list[list[Any]], grad_outputs: Any) -> None:
 _make_hook: Any = _partial(_partial, _on_node)
 """``_make_hook(seq, entries)``: a hooked node's pre-hook, ``_on_node(seq, entries, grad)``
 when called; compiled (``perfsdk._fastpath.NodeHook``, the same code) where
-:data:`perfsdk.region.inner_gate` is."""
-if _region._fastpath is not None and _region.inner_gate is _region._fastpath.InnerGate:
-    _region._fastpath.bind_backward(globals())
-    _make_hook = _region._fastpath.NodeHook
+:data:`perfsdk.region.inner_gate` is (bound at the end of this module)."""
 
 
 def _warn(exc: Exception) -> None:
@@ -296,3 +293,14 @@ def close_stale() -> None:
             _finish(stack, None)
     except Exception as exc:  # as in _on_node
         _warn(exc)
+
+
+track_python = track
+"""The pure-Python :func:`track`."""
+
+if _region._fastpath is not None and _region.inner_gate is _region._fastpath.InnerGate:
+    # Compiled twins, the same code (perfsdk/_fastpath.c): the node hook, and track() for an
+    # output that is a plain tensor (any other goes to track_python)
+    _region._fastpath.bind_backward(globals())
+    _make_hook = _region._fastpath.NodeHook
+    track = _region._fastpath.track

@@ -17,6 +17,7 @@ from torch import nn
 
 import perfsdk
 import perfsdk.auto.backward as _bwd
+import perfsdk.auto.module as _mod
 from perfsdk import region as _region
 from perfsdk.auto import instrument_module
 from perfsdk.context import current_span
@@ -38,10 +39,12 @@ def implementation(request: pytest.FixtureRequest,
     pure-Python twins."""
     if request.param == "compiled":
         assert _bwd._make_hook is _region._fastpath.NodeHook
+        assert _mod._track is _region._fastpath.track
         assert InnerRegion.exit is not _region.exit_inner_python
     else:  # gates are made when a module is instrumented: after this
         monkeypatch.setattr(_region, "inner_gate", _region._inner_gate_python)
         monkeypatch.setattr(_bwd, "_make_hook", _bwd._partial(_bwd._partial, _bwd._on_node))
+        monkeypatch.setattr(_mod, "_track", _bwd.track_python)
         monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
     return str(request.param)
 

@@ -316,3 +316,34 @@ def test_compiled_node_hook_warns_instead_of_breaking_backward() -> None:
     with pytest.raises(TypeError, match="one argument"):
         hook()
     assert repr(hook) == "<perfsdk._fastpath.NodeHook seq=5, 1 entries>"
+
+
+@needs_inner
+def test_compiled_track_hands_other_outputs_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain tensor is tracked in C; a tuple, or a tensor subclass, by the Python twin."""
+    import torch
+
+    from perfsdk.auto import backward
+
+    seen: list[Any] = []
+
+    def python(*args: Any) -> bool:
+        seen.append(args[3])
+        return True
+
+    monkeypatch.setattr(backward, "track_python", python)
+    x = torch.ones(2, requires_grad=True)
+    plain, pair = x * 2, (x * 3, x * 4)
+    sub = (x * 5).as_subclass(type("Sub", (torch.Tensor,), {}))
+    try:
+        assert _fastpath.track(lambda: None, 0, None, plain) is True
+        assert _fastpath.track(lambda: None, 0, None, pair) is True
+        assert _fastpath.track(lambda: None, 0, None, sub) is True
+        assert seen == [pair, sub]
+        # a node older than the call: not the call's
+        assert _fastpath.track(lambda: None, plain.grad_fn._sequence_nr() + 1, None,
+                               plain) is False
+        with pytest.raises(TypeError, match="track"):
+            _fastpath.track(lambda: None, 0, None)  # type: ignore[call-arg]
+    finally:
+        backward.forward_done()
