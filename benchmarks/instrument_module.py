@@ -8,6 +8,7 @@ Usage::
     python benchmarks/instrument_module.py --output x.json  # default: benchmarks/results/
     python benchmarks/instrument_module.py --only per_module --rounds 40   # the targets only
     python benchmarks/instrument_module.py --callgrind      # the same in instructions (valgrind)
+    python benchmarks/instrument_module.py --pure-python    # without perfsdk's compiled module
 
 The script builds the NVTX recording injection library (``tests/nvtx_injection/recorder.c``)
 and re-executes itself with ``NVTX_INJECTION64_PATH`` pointing at it, as
@@ -114,6 +115,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "counts of the calling thread under valgrind's callgrind (repeatable on a "
                    "busy machine; about 10 minutes); JSON default: "
                    "benchmarks/results/instrument_module_callgrind.json")
+    p.add_argument("--pure-python", action="store_true", help="measure perfsdk without its "
+                   "compiled module (PERFSDK_DISABLE_EXTENSIONS=1): the pure-Python twins")
     args = p.parse_args(argv)
     rounds_given = args.rounds is not None
     fill_counts(p, args, (("iters", 200, 6), ("rounds", 10, 2), ("steps", 40, 3)))
@@ -213,6 +216,7 @@ def callgrind(args: argparse.Namespace, command: list[str], env: dict[str, str],
         "benchmark": "perfsdk.auto.instrument_module per-module instructions (callgrind)",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"quick": args.quick, "blocks": plan["blocks"],
+                     "extensions": not args.pure_python,
                      "counted": "instructions of the calling thread inside the blocks of "
                                 "steps (perfsdk.flush() after each block included, the "
                                 "pipeline thread's work not)"},
@@ -221,7 +225,8 @@ def callgrind(args: argparse.Namespace, command: list[str], env: dict[str, str],
         "per_module": {"model": plan["model"], "modules": modules, "variants": variants},
         "targets": targets,
     }
-    print(f"\ninstructions (callgrind, calling thread): {plan['model']}, {modules} modules")
+    print(f"\ninstructions (callgrind, calling thread): {plan['model']}, {modules} modules; "
+          f"{'pure Python (no compiled module)' if args.pure_python else 'compiled module'}")
     print(f"  {'variant':<20} {'per step':>14} {'added/module':>14} {'x hooks fwd':>12}")
     for name, v in variants.items():
         print(f"  {name:<20} {v['instructions_per_step']:>14,.0f} "
@@ -236,12 +241,19 @@ def callgrind(args: argparse.Namespace, command: list[str], env: dict[str, str],
     return 0
 
 
+def use_extensions(args: argparse.Namespace) -> None:
+    """``--pure-python``: perfsdk without its compiled module (set before perfsdk is imported)."""
+    if args.pure_python:
+        os.environ["PERFSDK_DISABLE_EXTENSIONS"] = "1"
+
+
 def callgrind_child(args: argparse.Namespace) -> int:
     """Under callgrind: each variant's blocks of steps, each inside ``itertools.starmap``."""
     import itertools
 
     out = Path(os.environ[CALLGRIND_DIR])
     clean_environment()
+    use_extensions(args)
     import torch
 
     import perfsdk
@@ -279,6 +291,7 @@ def measure(args: argparse.Namespace) -> int:
     nvtx_info: dict[str, Any] = {"library": nvtx_lib, "attached": False,
                                  "error": os.environ.get(NVTX_ERROR)}
     clean_environment()
+    use_extensions(args)
     import torch
 
     import perfsdk
@@ -291,6 +304,7 @@ def measure(args: argparse.Namespace) -> int:
         "settings": {"quick": args.quick, "iters": args.iters, "rounds": args.rounds,
                      "per_module_rounds": args.module_rounds, "steps": args.steps,
                      "only": args.only, "torch_threads": torch.get_num_threads(),
+                     "extensions": not args.pure_python,
                      "order": "variants interleaved, the order rotating each round"},
         "nvtx_injection": nvtx_info,
         "machine": machine_info(),
@@ -497,7 +511,8 @@ def print_per_module(result: dict[str, Any]) -> None:
     nvtx = result["nvtx_injection"]
     print(f"\nper-module cost: {pm['model']}, {pm['modules']} modules; median [p25-p75] of "
           f"{pm['rounds']} rounds; NVTX injection "
-          f"{'attached' if nvtx['attached'] else 'NOT attached: ' + str(nvtx['error'])}")
+          f"{'attached' if nvtx['attached'] else 'NOT attached: ' + str(nvtx['error'])}; "
+          f"{'compiled module' if result['settings']['extensions'] else 'pure Python'}")
     print(f"  {'variant':<20} {'step ms':>22} {'added us/module':>22} {'x hooks fwd':>19} "
           f"{'thread cpu us/module':>22}")
 

@@ -57,6 +57,7 @@ from perfsdk import memory as _memory
 from perfsdk import record as _record
 from perfsdk.config import extensions_enabled
 from perfsdk.config import state as _state
+from perfsdk.errors import warn_once
 from perfsdk.pipeline import FORK as _FORK
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult
@@ -796,6 +797,11 @@ if extensions_enabled():
     except ImportError:
         _fastpath = None
 if _fastpath is not None and hasattr(_fastpath, "InnerGate"):
-    InnerRegion.exit = _fastpath.bind_inner(  # type: ignore[method-assign]
-        globals(), InnerRegion, Region, NULL_REGION, _state, _FORK, _Context)
-    inner_gate = _fastpath.InnerGate
+    try:  # it reads Region's and the settings' slots by offset: they must be plain slots
+        InnerRegion.exit = _fastpath.bind_inner(  # type: ignore[method-assign]
+            globals(), InnerRegion, Region, NULL_REGION, _state, _FORK, _Context)
+    except Exception as exc:  # never break the import: the Python twins record the same
+        warn_once("fastpath-inner", f"perfsdk: compiled inner regions are off ({exc!r}); "
+                  "using the pure-Python path")
+    else:
+        inner_gate = _fastpath.InnerGate

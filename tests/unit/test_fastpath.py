@@ -347,3 +347,23 @@ def test_compiled_track_hands_other_outputs_to_python(monkeypatch: pytest.Monkey
             _fastpath.track(lambda: None, 0, None)  # type: ignore[call-arg]
     finally:
         backward.forward_done()
+
+
+@needs_inner
+def test_bind_inner_refuses_types_without_plain_slots() -> None:
+    """What region.py's import guard catches (then the Python twins run): a Region class whose
+    fields are not plain slots cannot be read by offset."""
+    class NoSlots:
+        pass
+
+    with pytest.raises(TypeError, match=r"NoSlots\._timed is not a __slots__ member"):
+        _fastpath.bind_inner({}, region.InnerRegion, NoSlots, region.NULL_REGION,
+                             perfsdk.config.state, region._FORK, None)
+    with pytest.raises(TypeError, match="tuple subclass"):
+        _fastpath.bind_inner({}, NoSlots, region.Region, region.NULL_REGION,
+                             perfsdk.config.state, region._FORK, None)
+    gate = _fastpath.InnerGate(RegionSpec.create("fast.still"))  # the binding is unchanged
+    with perfsdk.timed_region("model"):
+        entry = gate()
+        assert type(entry) is region.InnerRegion
+        entry.exit(None)
