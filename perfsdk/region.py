@@ -773,8 +773,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         return f"<Region {self.spec.name!r} {state}>"
 
 
-
 def _inner_gate_python(spec: RegionSpec) -> Callable[[], Region | NullRegion | InnerRegion]:
+    """The pure-Python gate: the spec's bound :meth:`RegionSpec.open_inner`."""
     return spec.open_inner
 
 
