@@ -487,6 +487,7 @@ done:
     Py_XDECREF(t0);
     return result;
 }
+
 static PyObject *
 gate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -839,10 +840,9 @@ close_above(PyObject *stack, PyObject *seq)
         Py_INCREF(region);
         Py_INCREF(Py_None);
         PyList_SetItem(entry, E_REGION, Py_None);  /* steals; cannot fail: index in range */
-        {
+        {   /* region.exit(None, entry[END]); no ARGUMENTS_OFFSET: call[-1] is not ours */
             PyObject *call[3] = {region, Py_None, PyList_GET_ITEM(entry, E_END)};
-            res = PyObject_VectorcallMethod(s_exit, call,
-                                            3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            res = PyObject_VectorcallMethod(s_exit, call, 3, NULL);
         }
         Py_DECREF(region);
         Py_DECREF(entry);

@@ -91,15 +91,16 @@ _tls = _State()
 class _Probe:
     """The regions of one instrumented module: built once, when it is instrumented."""
 
-    __slots__ = ("bwd", "bwd_open", "live", "open", "root", "spec")
+    __slots__ = ("bwd_open", "live", "open", "root", "spec")
 
     def __init__(self, name: str, path: str, backward: bool, root: bool,
                  state: tuple[tuple[str, Any], ...] = ()) -> None:
         self.spec = _spec(name, "module", path, state)
-        self.bwd = _spec(f"{name}.backward", "module.backward", path) if backward else None
-        # open() is spec.open_inner(), compiled where perfsdk._fastpath is (region.inner_gate)
+        # open() is spec.open_inner(), compiled where perfsdk._fastpath is (region.inner_gate);
+        # bwd_open() the same for the module's backward region (None: backward not tracked)
         self.open = _region.inner_gate(self.spec)
-        self.bwd_open = None if self.bwd is None else _region.inner_gate(self.bwd)
+        self.bwd_open = (_region.inner_gate(_spec(f"{name}.backward", "module.backward", path))
+                         if backward else None)
         self.root = root
         self.live = True
         """False once removed: a wrapper left in someone else's chain only passes through."""
