@@ -93,8 +93,9 @@ time, no span, no summary row, no torch.profiler annotation."""
 PERFSDK_DISABLE_EXTENSIONS: Final = "PERFSDK_DISABLE_EXTENSIONS"
 """Ignore perfsdk's optional compiled hot path (``perfsdk._fastpath``, built at install when a C
 compiler is present) and use the pure-Python paths: ``1``/``0``. Default ``0``. Read once, at
-import. The compiled path runs NVTX-only mode's push, call and pop in one C call and reads
-memory=True's RSS without building a ``struct_rusage``; both paths record the same ranges and
+import. The compiled path runs NVTX-only mode's push, call and pop in one C call, reads
+memory=True's RSS without building a ``struct_rusage``, and runs ``instrument_module``'s
+per-module entries and backward hooks in C; both paths record the same ranges, regions and
 readings."""
 
 PERFSDK_MEMORY: Final = "PERFSDK_MEMORY"
