@@ -184,16 +184,19 @@ def measure(args: argparse.Namespace) -> int:
         PIPELINE.interval = interval
         PIPELINE.wake()
 
-    readers = {"compiled": memory.peak_rss, "python": memory._peak_rss_python}
+    # A region on the host reads through memory.TRACKER.rss (the compiled RssPeak where it is
+    # built); its Python twin with the Python peak-RSS reader is the pure-Python path.
+    readers = {"compiled": (memory.TRACKER.rss, memory.peak_rss),
+               "python": (memory._RssPeakPython(memory.REUSE_NS), memory._peak_rss_python)}
 
     def use_reader(name: str) -> Callable[[], None]:
         def setup() -> None:
             timed()
-            memory.peak_rss = readers[name]
+            memory.TRACKER.rss, memory.peak_rss = readers[name]
         return setup
 
     def restore_reader() -> None:
-        memory.peak_rss = readers["compiled"]
+        memory.TRACKER.rss, memory.peak_rss = readers["compiled"]
         resume()
 
     full = perfsdk.profiled("bench.full")(body())
@@ -214,14 +217,14 @@ def measure(args: argparse.Namespace) -> int:
                              "fn": nvtx_python, "setup": nvtx_only},
         "full_paused": {"label": "@profiled full, pipeline paused", "fn": full,
                         "setup": timed, "pause": pause, "teardown": resume},
-        "memory_paused": {"label": "+ memory=True, compiled peak-RSS reader", "fn": with_memory,
+        "memory_paused": {"label": "+ memory=True, compiled RssPeak", "fn": with_memory,
                           "setup": use_reader("compiled"), "pause": pause,
                           "teardown": restore_reader},
-        "memory_paused_python": {"label": "+ memory=True, pure-Python peak-RSS reader",
+        "memory_paused_python": {"label": "+ memory=True, pure-Python twin",
                                  "fn": with_memory, "setup": use_reader("python"),
                                  "pause": pause, "teardown": restore_reader},
     }
-    if readers["compiled"] is readers["python"]:
+    if readers["compiled"][1] is readers["python"][1]:
         notes.append("memory_paused: perfsdk._fastpath is not built; both memory rows use the "
                      "Python reader")
     for v in variants.values():

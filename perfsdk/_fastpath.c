@@ -1,6 +1,6 @@
 /* perfsdk._fastpath: the optional compiled hot path.
  *
- * Three things, each with a pure-Python twin that passes the same tests (perfsdk/markers.py,
+ * Each thing here has a pure-Python twin that passes the same tests (perfsdk/markers.py,
  * perfsdk/memory.py and perfsdk/region.py choose; PERFSDK_DISABLE_EXTENSIONS=1 makes them
  * ignore this module):
  *
@@ -12,7 +12,8 @@
  *   gives the tool the same domain the nvtx package's ranges land on (tools key domains by
  *   name), and the category id is the one the nvtx package registered in that domain.
  * - maxrss(): the process's peak resident set size in bytes (getrusage's ru_maxrss), without
- *   building a struct_rusage object. On Linux it asks for RUSAGE_THREAD: the kernel reports the
+ *   building a struct_rusage object; RssPeak(reuse_ns), memory=True's readings on the host
+ *   (perfsdk/memory.py: _RssPeakPython). On Linux it asks for RUSAGE_THREAD: the kernel reports the
  *   address space's high-water mark for it too (the same value as RUSAGE_SELF), without
  *   summing the CPU times of every thread.
  * - InnerGate(spec) and InnerRegion.exit (perfsdk/region.py: inner_gate, RegionSpec.open_inner),
@@ -33,6 +34,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY */
 
 #ifdef PERFSDK_NVTX
@@ -1265,6 +1267,166 @@ fastpath_maxrss(PyObject *module, PyObject *unused)
 #endif
 }
 
+/* RssPeak(reuse_ns): the peak-RSS readings of memory=True regions on the host (perfsdk/memory.py:
+ * _RssPeakPython is its twin). baseline() is a region's enter: the latest reading when it began
+ * at most reuse_ns earlier, else a new one; read() takes a reading now (an exit, or the baseline
+ * of a region on the GPU); host_exit(rss0) is a host region's exit, the memory tuple
+ * (None, None, None, rss1 - rss0, rss1). The clock is CLOCK_MONOTONIC (what perf_counter_ns
+ * reads on Linux); it only ever compares its own readings. */
+typedef struct {
+    PyObject_HEAD
+    long long value; /* the latest reading, bytes */
+    long long when;  /* when it began, ns */
+    long long reuse_ns;
+} RssPeakObject;
+
+#define RSS_NEVER (-(1LL << 62))
+
+static int
+rss_now(long long *now, long long *value)
+{
+    struct timespec ts;
+    struct rusage usage;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    *now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+#if defined(RUSAGE_THREAD)
+    if (getrusage(RUSAGE_THREAD, &usage) != 0)
+#else
+    if (getrusage(RUSAGE_SELF, &usage) != 0)
+#endif
+    {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+#if defined(__APPLE__)
+    *value = (long long)usage.ru_maxrss;
+#else
+    *value = (long long)usage.ru_maxrss * 1024;
+#endif
+    return 0;
+}
+
+static int
+rsspeak_init(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    RssPeakObject *self = (RssPeakObject *)op;
+    static char *kwlist[] = {"reuse_ns", NULL};
+    long long reuse_ns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L:RssPeak", kwlist, &reuse_ns)) {
+        return -1;
+    }
+    self->reuse_ns = reuse_ns;
+    self->value = 0;
+    self->when = RSS_NEVER;
+    return 0;
+}
+
+static PyObject *
+rsspeak_read(PyObject *op, PyObject *unused)
+{
+    RssPeakObject *self = (RssPeakObject *)op;
+    long long now, value;
+    if (rss_now(&now, &value) < 0) {
+        return NULL;
+    }
+    self->value = value;
+    self->when = now;
+    return PyLong_FromLongLong(value);
+}
+
+static PyObject *
+rsspeak_baseline(PyObject *op, PyObject *unused)
+{
+    RssPeakObject *self = (RssPeakObject *)op;
+    struct timespec ts;
+    long long now;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    if (now - self->when > self->reuse_ns) {
+        return rsspeak_read(op, NULL);
+    }
+    return PyLong_FromLongLong(self->value);
+}
+
+static PyObject *
+rsspeak_host_exit(PyObject *op, PyObject *rss0)
+{
+    RssPeakObject *self = (RssPeakObject *)op;
+    long long now, value, before;
+    PyObject *delta, *peak, *result;
+    before = PyLong_AsLongLong(rss0);
+    if (before == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (rss_now(&now, &value) < 0) {
+        return NULL;
+    }
+    self->value = value;
+    self->when = now;
+    result = PyTuple_New(5);
+    if (result == NULL) {
+        return NULL;
+    }
+    delta = PyLong_FromLongLong(value - before);
+    peak = delta == NULL ? NULL : PyLong_FromLongLong(value);
+    if (peak == NULL) {
+        Py_XDECREF(delta);
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(result, 0, Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(result, 1, Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(result, 2, Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(result, 3, delta);
+    PyTuple_SET_ITEM(result, 4, peak);
+    return result;
+}
+
+static PyObject *
+rsspeak_reset(PyObject *op, PyObject *unused)
+{
+    RssPeakObject *self = (RssPeakObject *)op;
+    self->value = 0;
+    self->when = RSS_NEVER;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+rsspeak_get_last(PyObject *op, void *closure)
+{
+    RssPeakObject *self = (RssPeakObject *)op;
+    return Py_BuildValue("(LL)", self->value, self->when);
+}
+
+static PyMethodDef rsspeak_methods[] = {
+    {"baseline", rsspeak_baseline, METH_NOARGS,
+     "baseline() -> int: a region's peak-RSS baseline (the latest reading if it began at most "
+     "reuse_ns ago, else a new one)."},
+    {"read", rsspeak_read, METH_NOARGS, "read() -> int: a peak-RSS reading now, kept."},
+    {"host_exit", rsspeak_host_exit, METH_O,
+     "host_exit(rss0) -> (None, None, None, rss1 - rss0, rss1): a host region's exit."},
+    {"reset", rsspeak_reset, METH_NOARGS, "reset(): forget the latest reading (after fork)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef rsspeak_getset[] = {
+    {"last", rsspeak_get_last, NULL, "(the latest reading, when it began in ns)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RssPeakType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.RssPeak",
+    .tp_basicsize = sizeof(RssPeakObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "RssPeak(reuse_ns): memory=True's peak-RSS readings on the host "
+              "(perfsdk.memory._RssPeakPython, compiled).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = rsspeak_init,
+    .tp_methods = rsspeak_methods,
+    .tp_getset = rsspeak_getset,
+};
+
 static PyMethodDef fastpath_methods[] = {
     {"maxrss", fastpath_maxrss, METH_NOARGS,
      "maxrss() -> int: the process's peak resident set size in bytes (ru_maxrss)."},
@@ -1295,7 +1457,13 @@ PyInit__fastpath(void)
     }
     if (intern_names() < 0 || (int_64 = PyLong_FromLong(64)) == NULL
         || (int_done = PyLong_FromLong(-2)) == NULL || PyType_Ready(&NodeHookType) < 0
-        || PyType_Ready(&InnerGateType) < 0) {
+        || PyType_Ready(&InnerGateType) < 0 || PyType_Ready(&RssPeakType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&RssPeakType);
+    if (PyModule_AddObject(module, "RssPeak", (PyObject *)&RssPeakType) < 0) {
+        Py_DECREF(&RssPeakType);
         Py_DECREF(module);
         return NULL;
     }

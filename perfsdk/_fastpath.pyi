@@ -9,6 +9,23 @@ HAVE_NVTX: Final[int]
 def maxrss() -> int:
     """The process's peak resident set size in bytes (``getrusage``'s ``ru_maxrss``)."""
 
+class RssPeak:
+    """``memory=True``'s peak-RSS readings on the host (``perfsdk.memory._RssPeakPython``,
+    compiled)."""
+
+    def __init__(self, reuse_ns: int) -> None: ...
+    @property
+    def last(self) -> tuple[int, int]:
+        """The latest reading (bytes) and when it began (ns)."""
+    def baseline(self) -> int:
+        """The latest reading if it began at most ``reuse_ns`` ago, else a new one."""
+    def read(self) -> int:
+        """A reading now, kept as the latest."""
+    def host_exit(self, rss0: int, /) -> tuple[None, None, None, int, int]:
+        """A host region's exit: ``(None, None, None, rss1 - rss0, rss1)``."""
+    def reset(self) -> None:
+        """Forget the latest reading (after fork)."""
+
 class NvtxCall:
     """A region's NVTX range, built once; only present when ``HAVE_NVTX``."""
 

@@ -553,9 +553,10 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         else:
             self._token = _attach(self)
         memory = spec.memory
+        on_gpu = _device._is_initialized()
         if memory or (memory is None and _state.memory):
-            self._mem = _memory.TRACKER.enter()
-        if _device._is_initialized():
+            self._mem = _memory.TRACKER.enter() if on_gpu else _memory.TRACKER.rss.baseline()
+        if on_gpu:
             event = _event_pool(_device.get_backend()).get()
             event.record()
             self.start_event = event
@@ -594,6 +595,8 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         mem = self._mem
         if mem is None:
             memory = None
+        elif type(mem) is int:  # entered on the host: the peak-RSS reading only
+            self.memory = memory = _memory.TRACKER.rss.host_exit(mem)
         else:
             self.memory = memory = _memory.TRACKER.exit(mem)
         if error is not None and isinstance(error, torch.OutOfMemoryError):

@@ -179,6 +179,7 @@ def test_rss_growth_of_a_region_that_touches_new_memory(tmp_path, reader, where)
         from perfsdk import memory
         from perfsdk.testing import capture
         assert (memory.peak_rss is memory._peak_rss_python) == (sys.argv[1] == "python")
+        assert (memory.RssPeak is memory._RssPeakPython) == (sys.argv[1] == "python")
         page = os.sysconf("SC_PAGE_SIZE")
         with capture() as cap:
             with open("/proc/self/statm") as f:
@@ -281,7 +282,7 @@ def test_a_region_entered_soon_after_a_reading_reuses_it(monkeypatch):
 
     monkeypatch.setattr(memory, "_clock", lambda: clock[0])
     monkeypatch.setattr(memory, "peak_rss", read)
-    tracker = memory.MemoryTracker()
+    tracker = memory.MemoryTracker(memory._RssPeakPython(memory.REUSE_NS))
 
     token = tracker.enter()  # no reading yet: read
     peak[0] = 130  # the region raises the peak by 30
@@ -306,6 +307,86 @@ def test_a_region_entered_soon_after_a_reading_reuses_it(monkeypatch):
     tracker.after_fork()  # a child reads afresh
     token = tracker.enter()
     assert len(reads) == 6
+
+
+RSS_PEAKS = ["python", pytest.param("compiled", marks=pytest.mark.skipif(
+    memory.RssPeak is memory._RssPeakPython, reason="perfsdk._fastpath is not built"))]
+
+
+@pytest.mark.parametrize("kind", RSS_PEAKS)
+def test_rss_peak_readings_compiled_and_python(kind):
+    """The compiled RssPeak and its twin: a reading is the process's peak RSS, kept with when
+    it began; a baseline reuses it within reuse_ns and reads again after; a host exit reads
+    again always and gives (None, None, None, delta, peak)."""
+    cls = memory._RssPeakPython if kind == "python" else memory.RssPeak
+    unit = 1 if sys.platform == "darwin" else 1024
+    never = cls(10**18)  # every baseline after the first reuses the first reading
+    assert never.last == (0, -(2**62))
+    first = never.baseline()
+    assert first >= 10 * MB
+    assert first <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    value, when = never.last
+    assert value == first
+    assert when > 0
+    grown = bytearray(64 * MB)  # raises the peak by up to 64 MiB: a new reading would see it
+    grown[::4096] = b"\1" * len(grown[::4096])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    assert never.baseline() == first
+    assert never.last == (value, when)
+    out = never.host_exit(first)  # an exit always reads
+    assert out[:3] == (None, None, None)
+    assert out[4] >= peak
+    assert out[3] == out[4] - first
+    assert never.last[0] == out[4]
+    assert never.last[1] >= when
+    always = cls(-1)  # never reuses
+    before = always.baseline()
+    _, when = always.last
+    assert always.baseline() >= before
+    assert always.last[1] >= when
+    assert always.read() == always.last[0] >= peak
+    always.reset()
+    assert always.last == (0, -(2**62))
+    del grown
+
+
+@pytest.mark.skipif(memory.RssPeak is memory._RssPeakPython,
+                    reason="perfsdk._fastpath is not built")
+def test_compiled_rss_peak_arguments():
+    with pytest.raises(TypeError):
+        memory.RssPeak()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        memory.RssPeak(REUSE="x")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        memory.RssPeak(1).host_exit("1")
+
+
+def test_regions_on_the_host_use_the_trackers_rss_readings(monkeypatch):
+    """A memory=True region on the host takes its baseline and exit reading from
+    TRACKER.rss (the compiled RssPeak where built): its delta is its exit reading minus
+    its baseline."""
+    readings = iter([1000, 5000, 5000, 7000])
+    taken: list[str] = []
+
+    class Fake:
+        def baseline(self) -> int:
+            taken.append("baseline")
+            return next(readings)
+
+        def host_exit(self, rss0: int):
+            taken.append("exit")
+            rss1 = next(readings)
+            return None, None, None, rss1 - rss0, rss1
+
+    monkeypatch.setattr(memory.TRACKER, "rss", Fake())
+    with (capture() as cap, perfsdk.timed_region("outer", memory=True),
+          perfsdk.timed_region("inner", memory=True)):
+        pass
+    assert taken == ["baseline", "baseline", "exit", "exit"]
+    assert _mem(cap, "inner") == {"perfsdk.memory.rss_delta_bytes": 0,
+                                  "perfsdk.memory.rss_peak_bytes": 5000}
+    assert _mem(cap, "outer") == {"perfsdk.memory.rss_delta_bytes": 6000,
+                                  "perfsdk.memory.rss_peak_bytes": 7000}
 
 
 def _child_rss(queue) -> None:  # runs in a forked child
