@@ -183,10 +183,23 @@ def run_concurrently(runs: dict[str, tuple[list[str], Path, dict[str, str]]],
     }
 
 
+@pytest.fixture(scope="session")
+def optimized_bytecode(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for the ``python -O`` runs: a bytecode cache of their own, kept for the
+    session. ``-O`` reads ``.opt-1.pyc`` files, which the install does not write; without a place
+    to write them (``PYTHONDONTWRITEBYTECODE=1`` is common on CI machines) every ``-O`` run
+    compiled torch, OpenTelemetry and perfsdk from source again: about 7 s of CPU a run, the same
+    bytecode each time. The first run writes the cache (atomically: two runs may write at once),
+    the others read it."""
+    return {"PYTHONDONTWRITEBYTECODE": "",
+            "PYTHONPYCACHEPREFIX": str(tmp_path_factory.mktemp("pycache-O"))}
+
+
 @pytest.mark.parametrize("source", [*RUNNABLE, *EXAMPLES],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_docs_and_examples_run_disabled_and_sampled(source: Path, tmp_path: Path,
-                                                    otlp_http: OTLPReceiver) -> None:
+                                                    otlp_http: OTLPReceiver,
+                                                    optimized_bytecode: dict[str, str]) -> None:
     """Each mode of MODES in its own subprocess, cwd and output directory; the modes of one
     source run at the same time."""
     runs: dict[str, tuple[list[str], Path, dict[str, str]]] = {}
@@ -199,7 +212,8 @@ def test_docs_and_examples_run_disabled_and_sampled(source: Path, tmp_path: Path
         else:
             script = source
         env = clean_env(PERFSDK_OUTPUT_DIR=str(cwd / "out"),
-                        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http.base_endpoint, **settings)
+                        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http.base_endpoint,
+                        **optimized_bytecode, **settings)
         runs[mode] = ["-O", str(script)], cwd, env
     for mode, proc in run_concurrently(runs).items():
         assert_clean_run(proc, f"{source.relative_to(ROOT)} {mode} with {MODES[mode]}")
