@@ -314,6 +314,9 @@ def test_progress_bar_never_breaks_the_caller():
 
 
 def test_tune_dataloader_shows_progress_on_a_terminal(monkeypatch, cpu_only):
+    # A terminal wide enough for the whole line, whatever runs the tests (the bar cuts its line
+    # to the terminal's width: 80 columns in a pytest-xdist worker, 100 with none).
+    monkeypatch.setenv("COLUMNS", "200")
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
     tune_dataloader(Items(8), 2, num_workers=(0,), batches=2, repeats=1)
