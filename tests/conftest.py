@@ -7,6 +7,10 @@
   (set on GPU runners, by ``.ci/gpu``) that skip, and any other skip of a ``gpu`` test, is a
   failure, so a broken CUDA install or a missing package cannot pass silently.
 * ``distributed`` tests are deselected unless ``WORLD_SIZE`` > 1 (they run under ``torchrun``).
+* pytest-xdist runs the suite in two worker processes, each test file whole on one of them
+  (``-n 2 --dist loadfile`` in pyproject.toml's ``addopts``): a module-scoped fixture (a
+  benchmark's run, a torchrun job, the demo) runs once, and a file's tests keep their order.
+  A pytest that a test starts itself passes ``-n 0``.
 * Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``captured`` (in-memory capture of
   resolved regions and spans) and the autouse ``fresh_config`` that restores perfsdk's settings
   and warning counts and drains the pipeline after every test. ``nvtx_lib`` (the NVTX recording

@@ -109,7 +109,7 @@ def _env() -> dict[str, str]:
 def test_two_ranks_with_instrument_ddp() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "pytest", "-q", "-m", "distributed", "-p", "no:cacheprovider",
+         "-m", "pytest", "-q", "-n", "0", "-m", "distributed", "-p", "no:cacheprovider",
          str(Path(__file__).relative_to(ROOT))],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

@@ -74,7 +74,8 @@ def run_pytest(tmp_path: Path, *args: str, sample: str = SAMPLE, **env: str) -> 
     environ.update(env)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-c", str(ROOT / "pyproject.toml"),
-         "--rootdir", str(tmp_path), "-rA", "-q", "-p", "no:cacheprovider", str(test_file), *args],
+         "--rootdir", str(tmp_path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider",
+         str(test_file), *args],
         cwd=tmp_path, capture_output=True, text=True, env=environ, timeout=300,
     )
     outcomes = {}
