@@ -121,7 +121,9 @@ def _driver_version() -> str | None:
 
 # -- the tests ----------------------------------------------------------------------------------
 def pytest_command(junit: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "--run-slow", "-rA",
+    # -n 0: one process (pyproject's addopts run two xdist workers), so no two tests share
+    # the GPU at once and device-wide readings (NVML, the allocator) are each test's own.
+    return [sys.executable, "-m", "pytest", "-n", "0", "-m", "gpu", "--run-slow", "-rA",
             f"--junitxml={junit}", *extra]
 
 
