@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import torch
 from typing_extensions import ParamSpec
 
+from perfsdk.context import CURRENT as _CURRENT
+from perfsdk.context import SPAN_KEY as _SPAN_KEY
 from perfsdk.context import current_span as _current_span
 from perfsdk.decorator import Profiler
 from perfsdk.region import Region, RegionSpec, validate_attributes, validate_options
@@ -112,7 +114,10 @@ class timed_region:
         # ``LOAD = timed_region("load")`` used in concurrent tasks): exit the region that is
         # current here, not the one entered last anywhere.
         active = self._active
-        region = _current_span()
+        if _SPAN_KEY is not None:  # what get_current_span() reads, without its frames
+            region = _CURRENT.get().get(_SPAN_KEY)  # type: ignore[union-attr]
+        else:
+            region = _current_span()
         try:
             active.remove(region)
         except ValueError:  # disabled at entry (never made current): any inert one will do
