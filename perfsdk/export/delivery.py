@@ -44,7 +44,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from perfsdk import pipeline as _pipeline
 from perfsdk.errors import warn_once
 
 __all__ = ["CAPTURE", "REASONS", "Backoff", "Destination", "capture_logs", "classify",
@@ -54,9 +53,6 @@ REASONS = ("queue_full", "backing_off", "export_failed", "export_timeout", "shut
 """Why a span was lost, in the order :func:`perfsdk.diagnostics` lists them."""
 
 Clock = Callable[[], float]
-
-_rest = time.sleep
-_timer = time.perf_counter
 
 
 class Backoff:
@@ -235,7 +231,6 @@ class Destination:
         self._last_export = self.clock()
         self.exporter: Any = None
         self._built = threading.Event()
-        self._chunk = _pipeline.CHUNK
         self.produced = 0
         self.exported = 0
         self.lost = dict.fromkeys(REASONS, 0)
@@ -444,32 +439,12 @@ class Destination:
                 return [queue.popleft() for _ in range(n)]
             self._cond.wait(due)
 
-    def _build_paced(self, batch: list[Any]) -> list[Any]:
-        """The batch's spans, built as the pipeline thread hands records over: in chunks of
-        about :data:`perfsdk.pipeline.HOLD_S` of work, resting
-        :data:`perfsdk.pipeline.PACE_S` between them, so a training thread that wants the GIL
-        back waits about a chunk, not a whole batch (thousands of spans, several ms, up to
-        Python's 5 ms switch interval). Without rests while someone waits (a flush, exit)."""
-        if self._flushing or self._closing is not None:
-            return list(self._build(batch))
-        spans: list[Any] = []
-        done, count = 0, len(batch)
-        while done < count:
-            size = self._chunk
-            began = _timer()
-            spans += self._build(batch[done:done + size])
-            done += size
-            if done < count:
-                self._chunk = _pipeline.chunk_for(size, _timer() - began)
-                _rest(_pipeline.PACE_S)
-        return spans
-
     def _export(self, exporter: Any, batch: list[Any]) -> tuple[bool, str]:
         if exporter is None:
             return False, "export_failed"
         with capture_logs() as said:
             try:
-                result = exporter.export(self._build_paced(batch))
+                result = exporter.export(self._build(batch))
                 text = " ".join(said)
             except Exception as exc:
                 result = None

@@ -253,69 +253,6 @@ def test_classify_names_the_cause(text: str, reason: str, cause: str) -> None:
     assert classify(text) == (reason, cause)
 
 
-# -- the export thread gives the GIL back while it builds ----------------------------------
-def test_the_export_thread_builds_a_batch_in_timed_chunks_with_rests_unless_someone_waits(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Building spans is Python work on the export thread: a routine batch is built in chunks
-    of about HOLD_S with a PACE_S rest between them (the training thread waits about a chunk
-    for the GIL, not a whole batch); the exporter still gets the whole batch, in order, at
-    once. A batch that a flush waits for is built straight through."""
-    from perfsdk import pipeline as _pipeline
-    from perfsdk.export import delivery
-
-    now = [0.0]
-    rests: list[float] = []
-    built: list[int] = []
-    monkeypatch.setattr(delivery, "_timer", lambda: now[0])
-    monkeypatch.setattr(delivery, "_rest", rests.append)
-
-    def build(items: list[Any]) -> list[Any]:
-        built.append(len(items))
-        now[0] += len(items) * _pipeline.HOLD_S / 16  # 16 items fill a hold
-        return [("span", it) for it in items]
-
-    exported: list[list[Any]] = []
-
-    class Keep(Controlled):
-        def export(self, spans: Sequence[Any]) -> SpanExportResult:
-            exported.append(list(spans))
-            return super().export(spans)
-
-    exporter = Keep()
-    d = Destination("test", "the test's exporter", lambda: exporter, build, queue_size=10_000,
-                    batch_size=1000, delay=0.0, backoff=Backoff(1e-3, 1e-3))
-    d.offer(list(range(1000)))  # a full batch: the export thread takes it on its own
-    deadline = time.monotonic() + LONG
-    while d.stats()["exported"] < 1000 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert d.stats()["exported"] == 1000
-    assert exported == [[("span", i) for i in range(1000)]]  # one export, every span in order
-    assert built[:4] == [_pipeline.CHUNK, 40, 28, 22]  # sized by time, halfway at a time
-    assert sum(built) == 1000
-    assert rests == [_pipeline.PACE_S] * (len(built) - 1)  # between chunks, not after the last
-
-    built.clear()
-    rests.clear()
-    gate = threading.Event()
-    exporter.gate = gate  # hold the export thread in an export call ...
-    exporter.entered.clear()
-    d.offer([-1])
-    assert exporter.entered.wait(LONG)
-    d.offer(list(range(500)))  # ... while these wait in the queue
-    flushed: list[bool] = []
-    waiter = threading.Thread(target=lambda: flushed.append(d.flush(time.monotonic() + LONG)))
-    waiter.start()
-    while not d._flushing and waiter.is_alive():  # the flush is waiting
-        time.sleep(0.001)
-    gate.set()
-    waiter.join(LONG)
-    assert flushed == [True]
-    assert built == [1, 500]  # the flushed batch in one piece
-    assert rests == []
-    d.close(time.monotonic() + LONG)
-    identity(d)
-
-
 def test_span_contexts_built_as_a_tuple_are_opentelemetrys_own() -> None:
     """region_span builds its SpanContexts without OpenTelemetry's __new__ (the tuple it would
     build); on this OpenTelemetry that shortcut is in use and equal in every field, validity
