@@ -114,10 +114,9 @@ class timed_region:
         # ``LOAD = timed_region("load")`` used in concurrent tasks): exit the region that is
         # current here, not the one entered last anywhere.
         active = self._active
-        if _SPAN_KEY is not None:  # what get_current_span() reads, without its frames
-            region = _CURRENT.get().get(_SPAN_KEY)  # type: ignore[union-attr]
-        else:
-            region = _current_span()
+        # What get_current_span() reads, without its frames (as a region's enter reads it).
+        region = (_CURRENT.get().get(_SPAN_KEY)  # type: ignore[union-attr]
+                  if _SPAN_KEY is not None else _current_span())
         try:
             active.remove(region)
         except ValueError:  # disabled at entry (never made current): any inert one will do
