@@ -15,13 +15,14 @@ import torch
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanKind, Status, StatusCode, TraceFlags
 
 from perfsdk import _device, clocks
 from perfsdk import gpu as _gpu
 from perfsdk import record as _record
 from perfsdk._version import __version__
 from perfsdk.config import Config
+from perfsdk.context import span_context
 from perfsdk.memory import memory_attributes
 from perfsdk.record import (
     ATTRS,
@@ -132,39 +133,6 @@ def _exception_event(error: BaseException, timestamp: int) -> Event:
 _UNSET = Status(StatusCode.UNSET)
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NO_EVENTS: tuple[Event, ...] = ()
-_TRACE_END, _SPAN_END = 1 << 128, 1 << 64
-
-
-def _context_constructor(trace_id: int, span_id: int) -> SpanContext:
-    return SpanContext(trace_id, span_id, False, SAMPLED)
-
-
-def _context_tuple(trace_id: int, span_id: int) -> SpanContext:
-    """``SpanContext(trace_id, span_id, False, SAMPLED)`` without its ``__new__`` (half its
-    0.7-1.4 us): the tuple it builds, validity included (checked at import, see below)."""
-    return _new_tuple(SpanContext, (
-        trace_id, span_id, False, SAMPLED, _DEFAULT_STATE,
-        0 < trace_id < _TRACE_END and 0 < span_id < _SPAN_END))
-
-
-def _same_contexts() -> bool:
-    """Whether :func:`_context_tuple` builds what OpenTelemetry's constructor builds here (the
-    tuple's layout is OpenTelemetry's own; a version that changes it gets the constructor)."""
-    cases = [(1, 1), (2**128 - 1, 2**64 - 1), (0, 5), (5, 0), (2**128, 1), (1, 2**64)]
-    try:
-        return all(_context_tuple(t, s) == _context_constructor(t, s)
-                   and _context_tuple(t, s).is_valid == _context_constructor(t, s).is_valid
-                   and type(_context_tuple(t, s)) is type(_context_constructor(t, s))
-                   for t, s in cases)
-    except Exception:
-        return False
-
-
-_new_tuple = tuple.__new__
-_DEFAULT_STATE = _context_constructor(1, 1).trace_state
-span_context = _context_tuple if _same_contexts() else _context_constructor
-"""A sampled, local ``SpanContext`` for a region's ids, as cheaply as this OpenTelemetry
-version allows."""
 
 
 def status_of(error: BaseException | None) -> Status:
@@ -188,7 +156,7 @@ def region_span(rec: Record, resource: Resource,
     parent_id = rec[PARENT]
     return ReadableSpan(
         SPECS[rec[SPEC]].name,
-        span_context(trace_id, rec[SPAN]),
+        span_context(trace_id, rec[SPAN]),  # perfsdk.context's: OpenTelemetry's tuple
         span_context(trace_id, parent_id) if parent_id else None,
         resource,
         region_attributes(rec, ranks),

@@ -251,24 +251,3 @@ def test_backoff_doubles_with_jitter_up_to_the_cap_and_resets() -> None:
 ])
 def test_classify_names_the_cause(text: str, reason: str, cause: str) -> None:
     assert classify(text) == (reason, cause)
-
-
-def test_span_contexts_built_as_a_tuple_are_opentelemetrys_own() -> None:
-    """region_span builds its SpanContexts without OpenTelemetry's __new__ (the tuple it would
-    build); on this OpenTelemetry that shortcut is in use and equal in every field, validity
-    included, to what the constructor gives, also for ids out of range."""
-    from opentelemetry.trace import SpanContext
-
-    from perfsdk.export import spans
-
-    assert spans.span_context is spans._context_tuple
-    for trace_id, span_id in [(1, 1), (2**128 - 1, 2**64 - 1), (123, 456), (0, 1), (1, 0),
-                              (2**128, 1), (1, 2**64)]:
-        fast = spans.span_context(trace_id, span_id)
-        slow = SpanContext(trace_id, span_id, False, spans.SAMPLED)
-        assert type(fast) is SpanContext
-        assert fast == slow
-        assert (fast.trace_id, fast.span_id, fast.is_remote, fast.trace_flags, fast.is_valid,
-                fast.trace_state) == (slow.trace_id, slow.span_id, slow.is_remote,
-                                      slow.trace_flags, slow.is_valid, slow.trace_state)
-        assert fast.trace_flags.sampled

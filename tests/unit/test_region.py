@@ -180,3 +180,25 @@ def test_a_thread_that_ended_is_noted_again_under_a_reused_ident() -> None:
         thread.join()
         assert idents[-1] not in record.NOTED  # the thread ended: its ident left the set
         assert record.THREAD_NAMES[idents[-1]][0] == f"noted-{i}"
+
+
+def test_span_contexts_built_as_a_tuple_are_opentelemetrys_own() -> None:
+    """perfsdk.context.span_context (a region's get_span_context, its exported spans) builds
+    SpanContexts without OpenTelemetry's __new__ (the tuple it would build); on this
+    OpenTelemetry that shortcut is in use and equal in every field, validity included, to what
+    the constructor gives, also for ids out of range."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from perfsdk import context
+
+    assert context.span_context is context._span_context_tuple
+    for trace_id, span_id in [(1, 1), (2**128 - 1, 2**64 - 1), (123, 456), (0, 1), (1, 0),
+                              (2**128, 1), (1, 2**64)]:
+        fast = context.span_context(trace_id, span_id)
+        slow = SpanContext(trace_id, span_id, False, TraceFlags(TraceFlags.SAMPLED))
+        assert type(fast) is SpanContext
+        assert fast == slow
+        assert (fast.trace_id, fast.span_id, fast.is_remote, fast.trace_flags, fast.is_valid,
+                fast.trace_state) == (slow.trace_id, slow.span_id, slow.is_remote,
+                                      slow.trace_flags, slow.is_valid, slow.trace_state)
+        assert fast.trace_flags.sampled
