@@ -75,6 +75,7 @@ def test_targets_section(quick_run):
     assert set(targets) == TARGETS
     for t in targets.values():
         assert isinstance(t["passed"], bool), t
+        assert isinstance(t["by_hand"], float), t
         assert t["definition"], t
         assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['definition']}" in stdout
     # Deterministic, not a timing: PERFSDK_ENABLED=0 at decoration returns the function itself.
@@ -171,6 +172,7 @@ def test_instrument_module_benchmark_per_module_shape(instrument_module_run):
     assert set(targets) == IM_TARGETS
     for t in targets.values():
         assert isinstance(t["passed"], bool), t
+        assert isinstance(t["by_hand"], float), t
         assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['definition']}" in stdout
 
 
@@ -313,7 +315,9 @@ def test_metrics_cost_benchmark_shape(tmp_path: Path):
 # -- benchmarks/step_overhead.py ------------------------------------------------------------------
 STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
 STEP_CONFIGS = {"summary", "otlp_drop", "run"}
-STEP_VARIANTS = {"full", "step", "regions"}
+STEP_VARIANTS = {"full", "step", "regions", "by_hand"}
+STEP_PRIMITIVES = {"a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
+                   "Region allocation", "context switch", "record to queue", "timed_region"}
 STEP_CALLS = {"step_start", "forward_enter", "forward_exit", "backward_enter", "backward_exit",
               "optimizer_enter", "optimizer_exit", "step_end"}
 
@@ -338,14 +342,19 @@ def test_step_overhead_benchmark_shape(step_overhead_run):
                 spread = v[key]
                 assert spread["p25"] <= spread["median"] <= spread["p75"], (name, variant, key)
             assert positive(v["plain_step_ms"]), (name, variant)
-        assert set(config["caller_us_per_call"]) == STEP_CALLS, name
-        assert all(positive(us) for us in config["caller_us_per_call"].values()), name
+        for key in ("caller_us_per_call", "by_hand_us_per_call"):
+            assert set(config[key]) == STEP_CALLS, (name, key)
+            assert all(positive(us) for us in config[key].values()), (name, key)
+        assert set(config["primitives_us"]) == STEP_PRIMITIVES, name
+        assert all(positive(us) for us in config["primitives_us"].values()), name
     targets = {t["name"]: t for t in result["targets"]}
     assert set(targets) == {f"full_overhead_{c}" for c in STEP_CONFIGS}
     for t in targets.values():
         assert isinstance(t["passed"], bool), t
+        assert isinstance(t["by_hand"], float), t
         assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['definition']}" in stdout
     assert "target (issue 16)" in stdout
+    assert "in place: median us of each thing a region transition does" in stdout
 
 
 def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
@@ -355,6 +364,6 @@ def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
     for name, config in result["configs"].items():
         assert config["identical_weights"] is True, name
     drop = result["configs"]["otlp_drop"]
-    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "regions": 3}
+    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "regions": 3, "by_hand": 0}
     for variant, spans in drop["expected_spans_per_step"].items():
         assert drop["variants"][variant]["spans_per_step"] == spans, variant
