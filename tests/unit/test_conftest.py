@@ -1,18 +1,22 @@
 """The test harness itself: --run-slow, gpu auto-skip (a failure under PERFSDK_REQUIRE_GPU=1),
-distributed deselection. Runs pytest in a subprocess with tests/conftest.py as a plugin."""
+distributed deselection. Runs pytest with tests/conftest.py as a plugin, in this process
+(pytester): a subprocess for each run paid torch's import again (~4 s of CPU) for nothing the
+tests check."""
 
 from __future__ import annotations
 
-import os
+import functools
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import tests.conftest as harness
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytest_plugins = ["pytester"]
 
 SAMPLE = '''
 import pytest
@@ -65,21 +69,26 @@ def test_cpu_skips_itself():
 '''
 
 
-def run_pytest(tmp_path: Path, *args: str, sample: str = SAMPLE, **env: str) -> dict[str, str]:
-    test_file = tmp_path / "test_sample.py"
+def run_pytest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str,
+               sample: str = SAMPLE, **env: str) -> dict[str, str]:
+    test_file = pytester.path / "test_sample.py"
     test_file.write_text(sample)
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("WORLD_SIZE", "PERFSDK_REQUIRE_GPU", "PYTEST_ADDOPTS")}
-    environ["PYTHONPATH"] = str(ROOT)
-    environ.update(env)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-c", str(ROOT / "pyproject.toml"),
-         "--rootdir", str(tmp_path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider",
-         str(test_file), *args],
-        cwd=tmp_path, capture_output=True, text=True, env=environ, timeout=300,
-    )
+    with monkeypatch.context() as mp:
+        for name in ("WORLD_SIZE", "PERFSDK_REQUIRE_GPU", "PYTEST_ADDOPTS"):
+            mp.delenv(name, raising=False)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        # The run shares this process's tests.conftest module: GPU_SKIPS replaces its CUDA
+        # check, and a fresh cache is what a new process would start with.
+        mp.setattr(harness, "_cuda_available",
+                   functools.cache(harness._cuda_available.__wrapped__))
+        result = pytester.runpytest_inprocess(
+            "-p", "tests.conftest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
+            str(pytester.path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider",
+            str(test_file), *args)
+    stdout = result.stdout.str()
     outcomes = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         m = re.match(r"^(PASSED|FAILED|ERROR) test_sample\.py::(test_\w+)", line)
         if m:
             outcomes[m.group(2)] = m.group(1)
@@ -87,7 +96,7 @@ def run_pytest(tmp_path: Path, *args: str, sample: str = SAMPLE, **env: str) -> 
         if m:
             outcomes.setdefault("_skip_reasons", "")
             outcomes["_skip_reasons"] += m.group(1) + "\n"
-    outcomes["_out"] = proc.stdout + proc.stderr
+    outcomes["_out"] = stdout + result.stderr.str()
     return outcomes
 
 
@@ -96,8 +105,8 @@ cpu_only = pytest.mark.skipif(torch.version.cuda is not None,
 
 
 @cpu_only
-def test_defaults_skip_slow_and_gpu_and_deselect_distributed(tmp_path):
-    result = run_pytest(tmp_path)
+def test_defaults_skip_slow_and_gpu_and_deselect_distributed(pytester, monkeypatch):
+    result = run_pytest(pytester, monkeypatch)
     out = result["_out"]
     assert result.get("test_plain") == "PASSED", out
     assert "test_distributed" not in result, out
@@ -110,8 +119,9 @@ def test_defaults_skip_slow_and_gpu_and_deselect_distributed(tmp_path):
 
 
 @cpu_only
-def test_run_slow_world_size_and_require_gpu(tmp_path):
-    result = run_pytest(tmp_path, "--run-slow", WORLD_SIZE="2", PERFSDK_REQUIRE_GPU="1")
+def test_run_slow_world_size_and_require_gpu(pytester, monkeypatch):
+    result = run_pytest(pytester, monkeypatch, "--run-slow", WORLD_SIZE="2",
+                        PERFSDK_REQUIRE_GPU="1")
     out = result["_out"]
     assert result.get("test_slow") == "PASSED", out
     assert result.get("test_distributed") == "PASSED", out
@@ -119,17 +129,18 @@ def test_run_slow_world_size_and_require_gpu(tmp_path):
     assert "PERFSDK_REQUIRE_GPU=1 but torch.cuda.is_available() is False" in out
 
 
-def test_a_gpu_test_that_skips_itself_fails_only_under_require_gpu(tmp_path):
-    result = run_pytest(tmp_path, sample=GPU_SKIPS)
+def test_a_gpu_test_that_skips_itself_fails_only_under_require_gpu(pytester, monkeypatch):
+    result = run_pytest(pytester, monkeypatch, sample=GPU_SKIPS)
     out = result["_out"]
     assert result.get("test_gpu_runs") == "PASSED", out
     assert re.search(r"\b3 skipped\b", out), out
-    result = run_pytest(tmp_path, sample=GPU_SKIPS, PERFSDK_REQUIRE_GPU="1")
+    result = run_pytest(pytester, monkeypatch, sample=GPU_SKIPS, PERFSDK_REQUIRE_GPU="1")
     out = result["_out"]
     assert result.get("test_gpu_runs") == "PASSED", out
     assert result.get("test_gpu_skips_itself") == "FAILED", out
     assert result.get("test_gpu_slow") in ("FAILED", "ERROR"), out  # slow, no --run-slow
     assert "this gpu test was skipped (pynvml is not installed)" in out, out
     assert "not a gpu test" in result["_skip_reasons"], out  # other tests may still skip
-    result = run_pytest(tmp_path, "--run-slow", sample=GPU_SKIPS, PERFSDK_REQUIRE_GPU="1")
+    result = run_pytest(pytester, monkeypatch, "--run-slow", sample=GPU_SKIPS,
+                        PERFSDK_REQUIRE_GPU="1")
     assert result.get("test_gpu_slow") == "PASSED", result["_out"]
