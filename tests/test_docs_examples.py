@@ -200,6 +200,9 @@ MODE_FREE = {
     "PERFSDK_ENABLED=1 and PERFSDK_SAMPLE_EVERY=1 themselves; the block's own process records "
     "nothing (it writes a script and reads the runs' files), so a disabled or sampled launch "
     "runs the same code as test_markdown_python_blocks_run, two times over (~45 s)",
+    ROOT / "examples" / "lab_unoptimized.py": "it has no perfsdk in it (it is what `perfsdk "
+    "run` measures, tests/integration/test_cli_run.py), so no launch setting of perfsdk "
+    "changes what it runs (~18 s)",
 }
 """Sources whose code does not depend on the launch settings of MODES, and why; they run
 once, with the defaults, in the tests above."""
@@ -207,6 +210,9 @@ once, with the defaults, in the tests above."""
 
 def test_mode_free_sources_still_run_with_the_defaults() -> None:
     assert set(MODE_FREE) <= set(RUNNABLE) | set(EXAMPLES)
+    lab = (ROOT / "examples" / "lab_unoptimized.py").read_text()
+    assert "import perfsdk" not in lab  # the reason it is there
+    assert "from perfsdk" not in lab
 
 
 @pytest.mark.parametrize("source", [p for p in (*RUNNABLE, *EXAMPLES) if p not in MODE_FREE],
