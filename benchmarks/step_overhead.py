@@ -610,6 +610,11 @@ def _spread(values: list[float], offset: float = 0.0, scale: float = 1.0) -> dic
             "p75": (percentile(values, 75) - offset) * scale}
 
 
+def _medians_us(samples: dict[str, list[int]]) -> dict[str, float]:
+    """Each list of ns readings -> its median in us."""
+    return {k: percentile(v, 50) / 1e3 for k, v in samples.items()}
+
+
 def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict[str, Any],
            nvtx: dict[str, Any]) -> dict[str, Any]:
     configs: dict[str, Any] = {}
@@ -633,8 +638,8 @@ def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict
                 "block_medians": [round(r, 5) for r in s["block_medians"]],
                 "block_total_ratios": [round(r, 5) for r in s["block_total_ratios"]],
             }
-        calls = {k: percentile(v, 50) / 1e3 for k, v in c["calls_ns"].items()}
-        hand = {k: percentile(v, 50) / 1e3 for k, v in c["calls_by_hand_ns"].items()}
+        calls = _medians_us(c["calls_ns"])
+        hand = _medians_us(c["calls_by_hand_ns"])
         sec = c["sections_ns"]
         body = {k: (percentile(sec["instrumented"][k], 50) - percentile(sec["plain"][k], 50))
                 / 1e3 for k in sec["plain"]}
@@ -648,7 +653,7 @@ def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict
             "caller_us_per_step": sum(calls.values()),
             "by_hand_us_per_call": hand,
             "by_hand_us_per_step": sum(hand.values()),
-            "primitives_us": {k: percentile(v, 50) / 1e3 for k, v in c["primitives_ns"].items()},
+            "primitives_us": _medians_us(c["primitives_ns"]),
             "body_slowdown_us": body,
             "diagnostics": c["diagnostics"],
         }
