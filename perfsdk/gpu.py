@@ -67,10 +67,13 @@ class GpuTelemetry:
             sampler.stop(timeout)
 
     def reset(self) -> None:
-        """Forget everything (tests); the next round may start a sampler again."""
-        self._stop(2.0)
-        self._gave_up = False
-        self.nvml = self.device_uuids = self.clock = None
+        """Forget everything (tests); the next round may start a sampler again. Waits for a
+        round's tick under way, which could otherwise start a sampler from what it read before
+        (a test's fake NVML) just after this cleared it."""
+        with self._lock:
+            self._stop(2.0)
+            self._gave_up = False
+            self.nvml = self.device_uuids = self.clock = None
 
     # -- the pipeline sink protocol --------------------------------------------------------
     def consume(self, records: list[Any]) -> None:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 from typing_extensions import ParamSpec
 
+from perfsdk.config import state as _state
 from perfsdk.context import CURRENT as _CURRENT
 from perfsdk.context import SPAN_KEY as _SPAN_KEY
 from perfsdk.context import current_span as _current_span
@@ -23,6 +24,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _is_compiling = torch.compiler.is_dynamo_compiling  # 18 ns; dynamo folds it to True
+_alloc = object.__new__  # a Region without its __init__ (the gate's way: _start sets every field)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -97,7 +99,19 @@ class timed_region:
     def __enter__(self) -> Region:
         if _is_compiling():
             return None  # type: ignore[return-value]  # no handle inside compiled code
-        return self._enter(self._spec)
+        # _enter(self._spec), written out (a loop runs this for every phase of every step):
+        # the gate of RegionSpec.open_handle, then the entry.
+        spec = self._spec
+        attributes = self._attributes
+        if _state.enabled:
+            n = spec.every or _state.sample_every
+            if n == 1 or not next(spec.calls) % n:
+                region = _alloc(Region)._start(spec, dict(attributes) if attributes else None)
+                self._active.append(region)
+                return region
+        region = Region(spec, dict(attributes) if attributes else None)  # a skipped handle
+        self._active.append(region)
+        return region
 
     def _enter(self, spec: RegionSpec) -> Region:
         # The gate, in its handle form: a skipped block's handle is a Region of its own (never
@@ -114,13 +128,17 @@ class timed_region:
         # ``LOAD = timed_region("load")`` used in concurrent tasks): exit the region that is
         # current here, not the one entered last anywhere.
         active = self._active
-        # What get_current_span() reads, without its frames (as a region's enter reads it).
-        region = (_CURRENT.get().get(_SPAN_KEY)  # type: ignore[union-attr]
-                  if _SPAN_KEY is not None else _current_span())
-        try:
-            active.remove(region)
-        except ValueError:  # disabled at entry (never made current): any inert one will do
+        if len(active) == 1:  # the usual case: entered once, so that entry is this one
             region = active.pop()
+        else:
+            # What get_current_span() reads, without its frames (as a region's enter reads it).
+            region = (_CURRENT.get().get(_SPAN_KEY)  # type: ignore[union-attr]
+                      if _SPAN_KEY is not None else _current_span())
+            try:
+                active.remove(region)
+            except ValueError:  # not current: an entry that never was (disabled at entry, or
+                # NVTX-only mode), and any such one will do; never another thread's live one
+                region = active.pop(_last_unrecorded(active))
         if region.entered:
             region.exit(exc)
 
@@ -144,6 +162,14 @@ class timed_region:
 
     def __repr__(self) -> str:
         return f"timed_region({self._args[0]!r})"
+
+
+def _last_unrecorded(active: list[Region]) -> int:
+    """The index of the last entry that was never made current (else the last one)."""
+    for i in range(len(active) - 1, -1, -1):
+        if not active[i].recorded:
+            return i
+    return -1
 
 
 def _rebuild(name: str, domain: str, color: Any, category: Any, payload: Any, sync: bool,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
+import itertools
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
@@ -28,10 +28,11 @@ from typing import Any, Protocol
 import torch
 
 from perfsdk import config as _config
+from perfsdk import region as _region
 from perfsdk.distributed import run_id, step_trace_id
 from perfsdk.flops.peaks import peak_flops
 from perfsdk.memory import current_rss
-from perfsdk.region import Region, RegionSpec, now_ns
+from perfsdk.region import Region, RegionSpec
 
 __all__ = [
     "PHASES", "STEPS", "Schedule", "Step", "StepListener", "Steps", "autocast_dtype", "schedule",
@@ -136,7 +137,13 @@ def autocast_dtype() -> str | None:
 
 @functools.cache
 def _step_spec() -> RegionSpec:
-    return RegionSpec.create("step", category="step", every=1, where="step")
+    global _STEP_SPEC
+    _STEP_SPEC = RegionSpec.create("step", category="step", every=1, where="step")
+    return _STEP_SPEC
+
+
+_STEP_SPEC: RegionSpec | None = None  # _step_spec(), once made: a global read per step
+_alloc = object.__new__  # a Region without its __init__ (the gate's way: _start sets every field)
 
 
 class Step:
@@ -202,9 +209,11 @@ class Steps:
                              "every step) or perfsdk.auto.schedule(...)")
         self.schedule = schedule
         self.next_index = 0
+        """The index the next step gets (while steps start in several threads at once, it can
+        trail by the steps still starting: the indices themselves are distinct)."""
+        self._indices = itertools.count()  # next() is atomic under the GIL: no lock per step
         self.current: Step | None = None
         self.listeners: list[StepListener] = []
-        self._lock = threading.Lock()
         self._paused = False
         self.explicit = False
         """Whether any step was started by a plain :meth:`step` call (not ``implicit``)."""
@@ -217,6 +226,7 @@ class Steps:
         self.end()
         self.schedule = schedule
         self.next_index = 0
+        self._indices = itertools.count()
         self.explicit = False
 
     def step(self, samples: int | None = None, *, flops: float | None = None,
@@ -235,9 +245,8 @@ class Steps:
         current = self.current
         if current is not None:
             self._end(current, None)
-        with self._lock:
-            index = self.next_index
-            self.next_index = index + 1
+        index = next(self._indices)  # two threads never get the same index
+        self.next_index = index + 1
         sched = self.schedule
         phase = "active" if sched is None else sched.phase(index)
         step = Step(self, index, samples, phase, flops)
@@ -251,11 +260,13 @@ class Steps:
             attrs: dict[str, Any] = {"perfsdk.step": index}
             if samples is not None:
                 attrs["perfsdk.samples"] = samples
-            amp = autocast_dtype()
-            if amp is not None:  # the step runs under autocast (the advisor: "already on")
-                attrs["perfsdk.amp"] = amp
+            if _any_autocast is None or _any_autocast():  # one call in the common case
+                amp = autocast_dtype()
+                if amp is not None:  # the step runs under autocast (the advisor: "already on")
+                    attrs["perfsdk.amp"] = amp
             run = run_id()  # before the step's clock starts: the first call may ask the store
-            region = _step_spec().open_handle(attrs)  # every=1: steps are not sampled
+            # The gate, written out: enabled (tested above) and every=1 (steps are not sampled).
+            region = _alloc(Region)._start(_STEP_SPEC or _step_spec(), attrs)
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
                 shared = step_trace_id(index, run) if run else None
                 if shared is not None:
@@ -277,11 +288,13 @@ class Steps:
         if region is not None:
             t1 = 0
             flops = step.flops
-            if (step.samples is not None or flops is not None) and region.t0:
-                t1 = now_ns()  # the step ends at this reading: its rate is samples / its time
+            samples = step.samples
+            if (samples is not None or flops is not None) and region.t0:
+                t1 = _region._perf_ns()  # the step ends here: its rate is samples / its time
                 seconds = (t1 - region.t0) / 1e9
-                if seconds > 0 and step.samples is not None:
-                    region.set_attribute("perfsdk.samples_per_s", step.samples / seconds)
+                attrs = region._attributes  # the dict its entry was given: set it directly
+                if seconds > 0 and samples is not None and attrs is not None:
+                    attrs["perfsdk.samples_per_s"] = samples / seconds
                 if flops is not None:
                     _set_flops(region, flops, seconds)
             if _state.memory and region.t0:  # the advisor's leak rule: RSS at each step's end

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -190,6 +191,33 @@ def test_own_steps_instance():
 
 
 # -- capture ranges ----------------------------------------------------------------------------
+def test_steps_started_from_many_threads_get_distinct_indices():
+    """The index counter takes no lock: two threads never get the same index."""
+    steps = auto.Steps()
+    seen: list[int] = []
+    barrier = threading.Barrier(4)
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(500):
+            seen.append(steps.step().index)
+
+    state.enabled = False  # the indices alone: no regions closed across threads
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        state.enabled = perfsdk.get_config().enabled
+    assert sorted(seen) == list(range(2000))
+    steps.set_schedule(None)
+    assert steps.step().index == 0
+    assert steps.next_index == 1
+    steps.end()
+
+
 def test_capture_calls_profiler_start_and_stop_at_the_chosen_steps(fake_cuda, caplog):
     caplog.set_level(logging.INFO, logger="perfsdk.auto")
     rng = auto.capture(range(1, 3))

@@ -142,3 +142,20 @@ def test_a_fake_device_without_a_fake_nvml_is_not_sampled(fake_cuda, telemetry):
     telemetry.tick()
     assert telemetry.sampler is None
     assert "nvml-unavailable" not in errors.counts()
+
+
+def test_reset_waits_for_a_tick_under_way(telemetry):
+    """A round's tick holds the lock from reading the settings to keeping its sampler: reset()
+    waits for it, so it cannot start a sampler from a fake NVML just after reset() cleared it
+    (what made a later test see a sampler it never asked for)."""
+    import threading
+
+    done = threading.Event()
+    with telemetry._lock:  # a tick under way on the pipeline thread
+        worker = threading.Thread(target=lambda: (telemetry.reset(), done.set()))
+        worker.start()
+        assert not done.wait(0.2)
+        telemetry.nvml = "left by the tick"
+    assert done.wait(10)
+    worker.join(10)
+    assert telemetry.nvml is None

@@ -261,6 +261,38 @@ def test_disabled_then_enabled_inside_a_shared_object(captured):
     assert [r.name for r in resolved(captured)] == ["toggled"]
 
 
+def test_an_inert_entry_leaving_never_takes_another_threads_live_one(captured):
+    """A shared object holds a disabled-at-entry handle of this thread and a live one of another
+    thread: this thread's exit takes its inert entry, so the live one closes in its own thread."""
+    shared = timed_region("toggled.threads")
+    entered, left = threading.Event(), threading.Event()
+    handles = {}
+
+    def other():
+        with shared as on:
+            handles["on"] = on
+            entered.set()
+            assert left.wait(10)
+            assert context.current_span() is on
+        handles["after"] = context.current_span()  # the live entry's exit restored it here
+
+    perfsdk.configure(enabled=False)
+    off = shared.__enter__()
+    perfsdk.configure(enabled=True)
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert entered.wait(10)
+    shared.__exit__(None, None, None)  # two entries open: this thread's is not current
+    left.set()
+    thread.join(10)
+    assert not off.recorded
+    regions = by_name(captured, "toggled.threads")
+    assert len(regions) == 1
+    assert regions[0].span_id == handles["on"].span_id
+    assert handles["after"] is not handles["on"]
+    assert shared._active == []
+
+
 # -- arguments ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("args", "kwargs", "argument"),
