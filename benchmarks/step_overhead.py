@@ -540,7 +540,8 @@ def child(args: argparse.Namespace) -> int:
 
 
 PRIMITIVES = ("a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
-              "Region allocation", "context switch", "record to queue", "timed_region")
+              "Region allocation", "context switch", "record to queue", "thread id check",
+              "CUDA initialized?", "profiler on?", "timed_region")
 
 
 def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y: Any,
@@ -552,7 +553,11 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
     The last is a whole ``timed_region`` block's enter and exit."""
     import random
 
+    import torch
+
+    from perfsdk import _device
     from perfsdk import context as _ctx
+    from perfsdk import record as _record
     from perfsdk import region as _region
 
     rng = random.Random()
@@ -575,6 +580,11 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
         forward.__enter__()
         forward.__exit__(None, None, None)
 
+    get_ident, noted = threading.get_ident, _record.NOTED
+
+    def thread_check() -> bool:  # a region's entry: its thread, named once per thread
+        return get_ident() in noted
+
     ops: dict[str, Callable[[], Any]] = {
         "a Python call": lambda: None,
         "perf_counter_ns": time.perf_counter_ns,
@@ -584,6 +594,9 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
         "context switch": switch,
         "record to queue": lambda: queue.append((0, 1, 2, 3, 4, 5, 6, None, None, None, None,
                                                  None, None, None, None)),
+        "thread id check": thread_check,
+        "CUDA initialized?": _device._is_initialized,  # torch.cuda.is_initialized
+        "profiler on?": torch._C._autograd._profiler_enabled,  # record_function wanted?
         "timed_region": block,
     }
     out: dict[str, list[int]] = {name: [] for name in PRIMITIVES}
@@ -748,12 +761,13 @@ def print_table(result: dict[str, Any]) -> None:
             f"{k} {v:+.1f} us" for k, v in body.items()))
     print("\nin place: median us of each thing a region transition does, timed as the first "
           "Python work after a step's backward (one per step, in rotation)")
-    head = f"{'config':<11}" + "".join(f"{name:>18}" for name in PRIMITIVES)
+    configs = list(result["configs"])
+    head = f"{'operation':<20}" + "".join(f"{name:>12}" for name in configs)
     print(head)
     print("-" * len(head))
-    for name, c in result["configs"].items():
-        prim = c["primitives_us"]
-        print(f"{name:<11}" + "".join(f"{prim[k]:>18.1f}" for k in PRIMITIVES))
+    for k in PRIMITIVES:
+        print(f"{k:<20}" + "".join(f"{result['configs'][name]['primitives_us'][k]:>12.1f}"
+                                   for name in configs))
     print("\ntarget (issue 16)")
     for t in result["targets"]:
         print(f"  {'PASS' if t['passed'] else 'FAIL'}  {t['definition']}: {t['value']:+.2%} "

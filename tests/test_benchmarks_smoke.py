@@ -315,7 +315,8 @@ STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
 STEP_CONFIGS = {"summary", "otlp_drop", "run"}
 STEP_VARIANTS = {"full", "step", "regions", "by_hand"}
 STEP_PRIMITIVES = {"a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
-                   "Region allocation", "context switch", "record to queue", "timed_region"}
+                   "Region allocation", "context switch", "record to queue", "thread id check",
+                   "CUDA initialized?", "profiler on?", "timed_region"}
 STEP_CALLS = {"step_start", "forward_enter", "forward_exit", "backward_enter", "backward_exit",
               "optimizer_enter", "optimizer_exit", "step_end"}
 
