@@ -19,7 +19,6 @@ step takes effect when that step ends.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable
 from types import TracebackType
@@ -135,14 +134,15 @@ def autocast_dtype() -> str | None:
     return None
 
 
-@functools.cache
 def _step_spec() -> RegionSpec:
+    """The step region's spec, made at the first step (then read from ``_STEP_SPEC``)."""
     global _STEP_SPEC
-    _STEP_SPEC = RegionSpec.create("step", category="step", every=1, where="step")
+    if _STEP_SPEC is None:
+        _STEP_SPEC = RegionSpec.create("step", category="step", every=1, where="step")
     return _STEP_SPEC
 
 
-_STEP_SPEC: RegionSpec | None = None  # _step_spec(), once made: a global read per step
+_STEP_SPEC: RegionSpec | None = None
 _alloc = object.__new__  # a Region without its __init__ (the gate's way: _start sets every field)
 
 
