@@ -11,8 +11,9 @@ The workload is a launch-bound model (``--layers`` x (Linear(``--width``) + ReLU
 ``--batch``, ``torch.set_num_threads(1)``, SGD or Adam) whose number of layers is chosen so that
 one plain training step takes about ``--target-ms`` (4 ms) on this machine. Two identical copies
 (same initial weights, same batches) are trained side by side: one plain, one instrumented the
-way ``perfsdk run`` and the Lightning / Hugging Face callbacks instrument a loop (a ``step``
-region holding ``forward``, ``backward`` and ``optimizer`` regions). Steps alternate one by one
+way ``perfsdk run`` and the Lightning callback instrument a loop (a ``step`` region holding
+``forward``, ``backward`` and ``optimizer`` phases: ``perfsdk.phase``; the ``timed`` variant has
+``timed_region`` blocks there instead, as before). Steps alternate one by one
 (plain, instrumented, instrumented, plain, ... : the order is swapped every pair); overhead is
 the median, over blocks of ``--pairs`` pairs, of each block's median step-time ratio, minus 1,
 with the interquartile range across blocks (the way TraceML publishes its figure).
@@ -57,9 +58,11 @@ CONFIGS = {
            "Chrome trace in a temporary directory) and the run's recorder sink",
 }
 VARIANTS = {
-    "full": "step region holding forward, backward and optimizer regions",
+    "full": "step region holding forward, backward and optimizer phases (perfsdk.phase: what "
+            "`perfsdk run` and the Lightning callback record)",
     "step": "step region only",
-    "regions": "forward, backward and optimizer regions, no step",
+    "timed": "step region holding forward, backward and optimizer timed_region blocks (each "
+             "its own current span: what was recorded before perfsdk.phase)",
     "by_hand": "the floor: the same four ranges written by hand, without perfsdk (NVTX push/pop "
                "with pre-built attributes, a perf_counter_ns reading at each boundary, a tuple "
                "per range into a bounded deque)",
@@ -292,9 +295,12 @@ def child(args: argparse.Namespace) -> int:
     batch = args.batch
     step = perfsdk.step
     # Built once, as the Lightning callback builds its blocks.
-    forward = perfsdk.timed_region("forward", category="compute")
-    backward = perfsdk.timed_region("backward", category="compute")
-    optimizer = perfsdk.timed_region("optimizer", category="update")
+    forward = perfsdk.phase("forward", category="compute")
+    backward = perfsdk.phase("backward", category="compute")
+    optimizer = perfsdk.phase("optimizer", category="update")
+    t_forward = perfsdk.timed_region("forward", category="compute")
+    t_backward = perfsdk.timed_region("backward", category="compute")
+    t_optimizer = perfsdk.timed_region("optimizer", category="update")
 
     def bare() -> None:
         plain_step(plain, plain_opt, x, y, mse)
@@ -316,14 +322,15 @@ def child(args: argparse.Namespace) -> int:
             loss.backward()
             opt.step()
 
-    def regions() -> None:
-        with forward:
-            loss = mse(model(x), y)
-        opt.zero_grad()
-        with backward:
-            loss.backward()
-        with optimizer:
-            opt.step()
+    def timed() -> None:
+        with step(samples=batch):
+            with t_forward:
+                loss = mse(model(x), y)
+            opt.zero_grad()
+            with t_backward:
+                loss.backward()
+            with t_optimizer:
+                opt.step()
 
     # The floor on this machine: what the same four ranges cost written by hand, the least a
     # careful user would write (no context, no ids, nothing exported). Python code that runs
@@ -362,8 +369,8 @@ def child(args: argparse.Namespace) -> int:
         ring.append(("step", t_step, t1))
 
     variants: dict[str, Callable[[], None]] = {"full": full, "step": step_only,
-                                               "regions": regions, "by_hand": by_hand}
-    spans_per_step = {"full": 4, "step": 1, "regions": 3, "by_hand": 0}
+                                               "timed": timed, "by_hand": by_hand}
+    spans_per_step = {"full": 4, "step": 1, "timed": 4, "by_hand": 0}
     pc = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
     cpu = _ThreadCpu()
 
@@ -512,8 +519,8 @@ def child(args: argparse.Namespace) -> int:
                    else (probe_hand, probe_plain, probe_inst, probe_plain)):
             fn()
     perfsdk.flush()
-    primitives = measure_primitives(args, model, opt, x, y, mse, bare, forward, push, pop,
-                                    a_fwd, pc)
+    primitives = measure_primitives(args, model, opt, x, y, mse, bare, t_forward, forward,
+                                    step, push, pop, a_fwd, pc)
     perfsdk.flush()
     if recorder is not None:
         recorder.__exit__(None, None, None)
@@ -541,16 +548,19 @@ def child(args: argparse.Namespace) -> int:
 
 PRIMITIVES = ("a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
               "Region allocation", "context switch", "record to queue", "thread id check",
-              "CUDA initialized?", "profiler on?", "timed_region")
+              "CUDA initialized?", "profiler on?", "timed_region", "phase (in a step)")
+IN_STEP = ("phase (in a step)",)  # timed inside an open step, the region it rides on
 
 
 def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y: Any,
-                       mse: Any, bare: Callable[[], None], forward: Any, push: Any, pop: Any,
-                       attrs: Any, pc: Callable[[], int]) -> dict[str, list[int]]:
+                       mse: Any, bare: Callable[[], None], forward: Any, phase: Any, step: Any,
+                       push: Any, pop: Any, attrs: Any,
+                       pc: Callable[[], int]) -> dict[str, list[int]]:
     """What each thing a region transition does costs in place: timed as the first Python
     work after a training step's backward, one thing per step, in rotation (``--probe-steps``
     steps per thing; each paired with a plain step, ``bare``, so the two models stay equal).
-    The last is a whole ``timed_region`` block's enter and exit."""
+    The last two are a whole ``timed_region`` block's enter and exit, and a ``phase`` block's
+    inside a step (opened before the forward)."""
     import random
 
     import torch
@@ -580,6 +590,10 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
         forward.__enter__()
         forward.__exit__(None, None, None)
 
+    def phase_block() -> None:
+        phase.__enter__()
+        phase.__exit__(None, None, None)
+
     get_ident, noted = threading.get_ident, _record.NOTED
 
     def thread_check() -> bool:  # a region's entry: its thread, named once per thread
@@ -598,11 +612,13 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
         "CUDA initialized?": _device._is_initialized,  # torch.cuda.is_initialized
         "profiler on?": torch._C._autograd._profiler_enabled,  # record_function wanted?
         "timed_region": block,
+        "phase (in a step)": phase_block,
     }
     out: dict[str, list[int]] = {name: [] for name in PRIMITIVES}
     for i in range(args.probe_steps * len(PRIMITIVES)):
         name = PRIMITIVES[i % len(PRIMITIVES)]
         fn = ops[name]
+        s = step() if name in IN_STEP else None
         loss = mse(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -611,6 +627,8 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
         t1 = pc()
         out[name].append(t1 - t0)
         opt.step()
+        if s is not None:
+            s.end()
         queue.clear()
         bare()
     return out
@@ -673,7 +691,7 @@ def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict
         full = variants["full"]["overhead"]["median"]
         targets.append({
             "name": f"full_overhead_{name}",
-            "definition": f"{name}: a step with forward, backward and optimizer regions adds "
+            "definition": f"{name}: a step with forward, backward and optimizer phases adds "
                           f"<= {TARGET_MAX:.0%} (median over blocks of each block's median "
                           "paired step-time ratio, - 1)",
             "value": full, "op": "<=", "threshold": TARGET_MAX, "passed": full <= TARGET_MAX,

@@ -2,7 +2,8 @@
 
 NVTX ranges for Nsight Systems, host and CUDA-event timings without added syncs, and
 OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
-(:class:`timed_region`).
+(:class:`timed_region`); the phases of a training step at half a region's cost
+(:class:`phase`).
 
 ``import perfsdk`` itself imports neither torch nor perfsdk's machinery, so that the ``perfsdk``
 command parses its arguments at once: the first use of any name below imports them all, as one
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from perfsdk.flops import count_flops, peak_flops
     from perfsdk.instrumentor import instrument_all
     from perfsdk.lifecycle import diagnostics, flush, shutdown, summary
+    from perfsdk.phases import phase
     from perfsdk.region import Region, RegionResult
     from perfsdk.sync import SyncReport, SyncSite, no_sync_guard
     from perfsdk.timing import timed_region
@@ -71,6 +73,7 @@ __all__ = (
     "no_sync_guard",
     "optimize",
     "peak_flops",
+    "phase",
     "profiled",
     "shutdown",
     "step",
@@ -95,6 +98,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "perfsdk.flops": ("count_flops", "peak_flops"),
     "perfsdk.instrumentor": ("instrument_all",),
     "perfsdk.lifecycle": ("diagnostics", "flush", "shutdown", "summary"),
+    "perfsdk.phases": ("phase",),
     "perfsdk.region": ("Region", "RegionResult"),
     "perfsdk.sync": ("SyncReport", "SyncSite", "no_sync_guard"),
     "perfsdk.timing": ("timed_region",),

@@ -313,10 +313,10 @@ def test_metrics_cost_benchmark_shape(tmp_path: Path):
 # -- benchmarks/step_overhead.py ------------------------------------------------------------------
 STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
 STEP_CONFIGS = {"summary", "otlp_drop", "run"}
-STEP_VARIANTS = {"full", "step", "regions", "by_hand"}
+STEP_VARIANTS = {"full", "step", "timed", "by_hand"}
 STEP_PRIMITIVES = {"a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
                    "Region allocation", "context switch", "record to queue", "thread id check",
-                   "CUDA initialized?", "profiler on?", "timed_region"}
+                   "CUDA initialized?", "profiler on?", "timed_region", "phase (in a step)"}
 STEP_CALLS = {"step_start", "forward_enter", "forward_exit", "backward_enter", "backward_exit",
               "optimizer_enter", "optimizer_exit", "step_end"}
 
@@ -358,11 +358,12 @@ def test_step_overhead_benchmark_shape(step_overhead_run):
 
 def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
     """Deterministic, not a timing: both models trained alike (equal weights at the end), and
-    the instrumented steps produced their spans (4 per step with a step and three regions)."""
+    the instrumented steps produced their spans (4 per step: a step and three phases or
+    regions)."""
     result, _ = step_overhead_run
     for name, config in result["configs"].items():
         assert config["identical_weights"] is True, name
     drop = result["configs"]["otlp_drop"]
-    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "regions": 3, "by_hand": 0}
+    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "timed": 4, "by_hand": 0}
     for variant, spans in drop["expected_spans_per_step"].items():
         assert drop["variants"][variant]["spans_per_step"] == spans, variant

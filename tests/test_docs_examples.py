@@ -35,7 +35,7 @@ REFERENCE = ROOT / "docs" / "reference.md"
 CONFIG_PY = ROOT / "perfsdk" / "config.py"
 MARKDOWN = sorted([README, *ROOT.glob("docs/*.md")])
 EXAMPLES = sorted(ROOT.glob("examples/*.py"))
-DOCTEST_MODULES = ("decorator", "timing", "config", "lifecycle", "testing", "sync", "bench",
+DOCTEST_MODULES = ("decorator", "timing", "phases", "config", "lifecycle", "testing", "sync", "bench",
                    "_progress", "optimize.amp", "optimize.backends", "optimize.channels_last",
                    "optimize.checkpoint", "optimize.dataloader", "optimize.train_step", "auto",
                    "auto.dataloader", "auto.steps", "auto.module",

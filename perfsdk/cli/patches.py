@@ -7,7 +7,8 @@ While :class:`RunPatches` is installed:
 - ``Tensor.backward()`` runs inside a ``backward`` region,
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
-  region, and a ``DistributedDataParallel`` model seen there gets
+  region (these three are :class:`perfsdk.phase` blocks: inside a step each rides on the
+  step's region, at about half a ``timed_region``'s cost), and a ``DistributedDataParallel`` model seen there gets
   :func:`perfsdk.distributed.instrument_ddp` once (its gradient all-reduces become regions),
 - step :data:`FLOPS_STEP` (after warm-up) runs its forward and backward calls inside
   :class:`perfsdk.flops.ModelFlops` (torch's ``FlopCounterMode``, which observes without
@@ -58,8 +59,8 @@ from perfsdk.distributed import instrument_ddp
 from perfsdk.errors import warn_once
 from perfsdk.flops import ModelFlops
 from perfsdk.instrumentor import FRAMEWORK_STEPS
+from perfsdk.phases import phase
 from perfsdk.region import Region
-from perfsdk.timing import timed_region
 
 __all__ = ["FLOPS_STEP", "RunPatches"]
 
@@ -70,9 +71,11 @@ first steps' warm-up, compilation included)."""
 _in_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("perfsdk_run_forward",
                                                                   default=False)
 _lock = threading.Lock()
-_BACKWARD = timed_region("backward", category="compute")
-_OPTIMIZER = timed_region("optimizer", category="update")
-_FORWARD: dict[str, timed_region] = {}
+# Phases of the step (perfsdk.phase): each records its span riding on the step's region, at
+# about half a timed_region's cost; outside a step each is a region of its own.
+_BACKWARD = phase("backward", category="compute")
+_OPTIMIZER = phase("optimizer", category="update")
+_FORWARD: dict[str, phase] = {}
 _DDP = torch.nn.parallel.DistributedDataParallel
 _seen_ddp: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -190,12 +193,12 @@ def _batch_size(batch: Any) -> int | None:
     return None if first is None else int(first.shape[0]) or None
 
 
-def _forward_region(module: nn.Module) -> timed_region:
+def _forward_region(module: nn.Module) -> phase:
     inner = getattr(module, "_orig_mod", module)  # torch.compile(model): name the model
     name = f"{type(inner).__name__}.forward"
     region = _FORWARD.get(name)
     if region is None:
-        region = _FORWARD.setdefault(name, timed_region(name, category="forward"))
+        region = _FORWARD.setdefault(name, phase(name, category="forward"))
     return region
 
 
@@ -278,7 +281,7 @@ def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     return _Batches(iter(wrapped(*args, **kwargs)), length)
 
 
-def _region_wrapper(region: timed_region, name: str, count: bool = False) -> Callable[..., Any]:
+def _region_wrapper(region: phase, name: str, count: bool = False) -> Callable[..., Any]:
     """A wrapt wrapper running the call in ``region`` (named ``name``), once: a call inside the
     same wrapper (``Tensor.backward`` calls itself again through ``__torch_function__`` while a
     torch function mode is on, e.g. a ``no_sync_guard``), inside a region of the same name that

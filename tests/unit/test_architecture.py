@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     "perfsdk.testing.models": 0,
     # 1 engine: records, the pipeline, regions and their shells, GPU telemetry
     "perfsdk.record": 1, "perfsdk.pipeline": 1, "perfsdk.region": 1, "perfsdk.decorator": 1,
-    "perfsdk.timing": 1, "perfsdk.gpu": 1, "perfsdk.distributed": 1,
+    "perfsdk.timing": 1, "perfsdk.phases": 1, "perfsdk.gpu": 1, "perfsdk.distributed": 1,
     # 2 sinks
     "perfsdk.export": 2,
     # 3 capabilities built on regions

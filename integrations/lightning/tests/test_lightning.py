@@ -134,6 +134,26 @@ def test_regions_counts_nesting_and_attributes() -> None:
     assert STEPS.current is None
 
 
+class Traced(TinyModule):
+    """A training_step with a region of the user's own inside."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        with perfsdk.timed_region("user"):
+            return super().training_step(batch, batch_idx)
+
+
+def test_a_region_inside_training_step_nests_in_the_forward_phase() -> None:
+    """The phases ride on their step's region (perfsdk.phase): what the user's code records
+    inside one is still that phase's child."""
+    cap = fit(Traced(), max_steps=3)
+    assert_steps_have_phases(cap, 3)
+    users, forwards = cap.named("user"), cap.named("forward")
+    assert len(users) == 3
+    assert [u.parent_span_id for u in users] == [f.span_id for f in forwards]
+    assert all(f.start_ns <= u.start_ns <= u.end_ns <= f.end_ns
+               for u, f in zip(users, forwards, strict=True))
+
+
 def test_training_step_that_raises_leaves_regions_balanced() -> None:
     module = TinyModule(fail_at=2)
     with capture() as cap, pytest.raises(RuntimeError, match="boom") as info:

@@ -42,7 +42,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from perfsdk import Region, RegionResult, get_config, timed_region
+from perfsdk import Region, RegionResult, get_config, phase, timed_region
 from perfsdk.auto import STEPS, Step
 from perfsdk.errors import warn_once
 from perfsdk.instrumentor import FRAMEWORK_STEPS, RunReport
@@ -52,23 +52,33 @@ __all__ = ("PerfsdkCallback", "report_title")
 
 _CATEGORIES = {"forward": "compute", "backward": "compute", "optimizer": "update",
                "validation": "eval", "sanity_check": "eval", "epoch": "epoch"}
+_PHASES = ("forward", "backward", "optimizer")  # of each step: perfsdk.phase, at half the cost
 
 
 class _Open:
-    """One open region: its ``timed_region`` and the Region it entered."""
+    """One open region: a phase's entry (forward, backward, optimizer: riding on the step's
+    region, see ``perfsdk.phase``), or a ``timed_region`` entered (with its attributes)."""
 
-    __slots__ = ("block", "name", "region")
+    __slots__ = ("block", "entry", "name")
 
-    def __init__(self, name: str, block: timed_region, attributes: dict[str, Any] | None) -> None:
+    def __init__(self, name: str, block: timed_region | phase,
+                 attributes: dict[str, Any] | None) -> None:
         self.name = name
-        self.block = block
-        self.region: Region = block.__enter__()
-        if attributes and self.region.recorded:
-            for key, value in attributes.items():
-                self.region.set_attribute(key, value)
+        if isinstance(block, phase):
+            self.block: timed_region | None = None
+            self.entry: Any = block.open()
+        else:
+            self.block = block
+            region: Region = block.__enter__()
+            if attributes and region.recorded:
+                for key, value in attributes.items():
+                    region.set_attribute(key, value)
 
     def close(self, error: BaseException | None) -> None:
-        self.block.__exit__(None if error is None else type(error), error, None)
+        if self.block is None:
+            self.entry.exit(error)
+        else:
+            self.block.__exit__(None if error is None else type(error), error, None)
 
 
 def _failed(exc: Exception) -> None:
@@ -133,8 +143,10 @@ class PerfsdkCallback(Callback):
         self.memory = memory
         self.report = report
         self._report = RunReport()
-        self._blocks = {name: timed_region(name, category=category, memory=memory)
-                        for name, category in _CATEGORIES.items()}
+        self._blocks: dict[str, timed_region | phase] = {
+            name: (phase if name in _PHASES else timed_region)(
+                name, category=category, memory=memory)
+            for name, category in _CATEGORIES.items()}
         self._step: Step | None = None
         self._phase: _Open | None = None  # forward, backward or optimizer: one at a time
         self._validation: _Open | None = None

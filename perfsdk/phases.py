@@ -1,0 +1,114 @@
+"""``phase``: a region for one phase of the region around it, at a fraction of a
+``timed_region``'s cost (a training step's forward, backward and optimizer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from threading import get_ident
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from perfsdk import region as _region
+from perfsdk.region import InnerRegion, NullRegion, Region, RegionSpec
+
+__all__ = ["phase"]
+
+_is_compiling = torch.compiler.is_dynamo_compiling  # dynamo folds it to True
+Entry = Region | NullRegion | InnerRegion
+
+
+class phase:
+    """Time one phase of the region around it: ``with perfsdk.phase("forward"): ...``.
+
+    A phase records the span a :class:`~perfsdk.timing.timed_region` would (name, ids,
+    nesting, times, the error it ended with, its NVTX range) for about half the cost on the
+    calling thread, because it does not become the current span: inside it,
+    ``trace.get_current_span()`` is the region around it (the step), which stands for the phase
+    while it is open. Regions and OpenTelemetry spans started inside a phase are still the
+    phase's children. It has no handle (``as`` gives None) and no per-entry attributes: use a
+    ``timed_region`` where the block needs its own span object.
+
+    This is how ``perfsdk run`` and the Lightning and Hugging Face callbacks record the forward,
+    backward and optimizer phases of each step. Where a phase cannot ride on the region around
+    it, it is a region of its own, as ``timed_region`` records: outside any region, in another
+    thread than that region's, with memory readings (``memory=True``), with the torch profiler
+    on, or inside a region that records device time (CUDA was initialized when it began).
+
+    Hooks that open a phase in one callback and close it in another use ``open()``, which
+    returns the entry; call its ``exit(error=None)`` once, on the same thread. In code that
+    ``torch.compile`` traces, the ``with`` block records nothing.
+
+    Example:
+        >>> import perfsdk, torch
+        >>> from perfsdk.testing import capture
+        >>> model = torch.nn.Linear(4, 2)
+        >>> forward = perfsdk.phase("forward", category="compute")
+        >>> with capture() as cap, perfsdk.step(samples=8):
+        ...     with forward:
+        ...         loss = model(torch.ones(8, 4)).sum()
+        >>> [(r.name, r.parent_span_id == step.span_id)
+        ...  for step in cap.named("step") for r in cap.named("forward")]
+        [('forward', True)]
+    """
+
+    __slots__ = ("_active", "_args", "open", "spec")
+
+    def __init__(
+        self,
+        name: str,
+        /,
+        *,
+        domain: str = "perfsdk",
+        color: str | int | None = None,
+        category: str | None = None,
+        memory: bool | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._args = (name, domain, color, category, memory, attributes)
+        self.spec = RegionSpec.create(name, domain=domain, color=color, category=category,
+                                      attributes=attributes, memory=memory, where="phase")
+        # open(): the gate of RegionSpec.open_inner (compiled where perfsdk._fastpath is)
+        self.open: Callable[[], Entry] = _region.inner_gate(self.spec)
+        self._active: list[Entry] = []
+
+    def __enter__(self) -> None:
+        if not _is_compiling():
+            self._active.append(self.open())
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if _is_compiling():
+            return
+        active = self._active
+        # One phase object may be open in several threads at once: exit this thread's entry.
+        entry = active.pop() if len(active) == 1 else active.pop(_this_threads(active))
+        entry.exit(exc)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        name, *options = self._args
+        return (_rebuild, (name, *options))
+
+    def __repr__(self) -> str:
+        return f"phase({self._args[0]!r})"
+
+
+def _this_threads(active: list[Entry]) -> int:
+    """The index of the last entry opened on this thread (an entry that records nothing
+    belongs to no thread: any will do)."""
+    ident = get_ident()
+    for i in range(len(active) - 1, -1, -1):
+        entry = active[i]
+        if type(entry) is InnerRegion:
+            if entry[0].thread_id == ident:
+                return i
+        elif type(entry) is not Region or entry.thread_id == ident:
+            return i
+    return -1
+
+
+def _rebuild(name: str, domain: str, color: Any, category: Any, memory: Any,
+             attributes: Any) -> phase:
+    return phase(name, domain=domain, color=color, category=category, memory=memory,
+                 attributes=attributes)
