@@ -82,8 +82,13 @@ class phase:
         if _is_compiling():
             return
         active = self._active
-        # One phase object may be open in several threads at once: exit this thread's entry.
-        entry = active.pop() if len(active) == 1 else active.pop(_this_threads(active))
+        n = len(active)
+        if n == 1:  # the usual case
+            entry = active.pop()
+        elif n:  # one phase object open in several threads at once: this thread's entry
+            entry = active.pop(_this_threads(active))
+        else:  # entered while torch.compile traced it: no entry
+            return
         entry.exit(exc)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -35,10 +35,10 @@ REFERENCE = ROOT / "docs" / "reference.md"
 CONFIG_PY = ROOT / "perfsdk" / "config.py"
 MARKDOWN = sorted([README, *ROOT.glob("docs/*.md")])
 EXAMPLES = sorted(ROOT.glob("examples/*.py"))
-DOCTEST_MODULES = ("decorator", "timing", "phases", "config", "lifecycle", "testing", "sync", "bench",
-                   "_progress", "optimize.amp", "optimize.backends", "optimize.channels_last",
-                   "optimize.checkpoint", "optimize.dataloader", "optimize.train_step", "auto",
-                   "auto.dataloader", "auto.steps", "auto.module",
+DOCTEST_MODULES = ("decorator", "timing", "phases", "config", "lifecycle", "testing", "sync",
+                   "bench", "_progress", "optimize.amp", "optimize.backends",
+                   "optimize.channels_last", "optimize.checkpoint", "optimize.dataloader",
+                   "optimize.train_step", "auto", "auto.dataloader", "auto.steps", "auto.module",
                    "advisor", "export.trace", "cli.patches", "optimize._marks", "distributed",
                    "flops.count", "flops.peaks")
 TIMEOUT = 180

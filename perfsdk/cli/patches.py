@@ -8,8 +8,9 @@ While :class:`RunPatches` is installed:
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
   region (these three are :class:`perfsdk.phase` blocks: inside a step each rides on the
-  step's region, at about half a ``timed_region``'s cost), and a ``DistributedDataParallel`` model seen there gets
-  :func:`perfsdk.distributed.instrument_ddp` once (its gradient all-reduces become regions),
+  step's region, at about half a ``timed_region``'s cost), and a
+  ``DistributedDataParallel`` model seen there gets :func:`perfsdk.distributed.instrument_ddp`
+  once (its gradient all-reduces become regions),
 - step :data:`FLOPS_STEP` (after warm-up) runs its forward and backward calls inside
   :class:`perfsdk.flops.ModelFlops` (torch's ``FlopCounterMode``, which observes without
   changing results): that step gets ``perfsdk.flops``, and every later step the same FLOPs per

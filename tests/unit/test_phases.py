@@ -275,3 +275,16 @@ def test_pickle_round_trip():
         perfsdk.flush()
     (found,) = cap.named("pickled")
     assert found.attributes["a"] == 1
+
+
+def test_an_exit_without_an_entry_is_a_no_op(monkeypatch):
+    """Entered while torch.compile traced the block (no entry), left after: nothing breaks."""
+    forward = phase("forward")
+    monkeypatch.setattr(_phases, "_is_compiling", lambda: True)
+    forward.__enter__()
+    monkeypatch.setattr(_phases, "_is_compiling", lambda: False)
+    with capture() as cap:
+        forward.__exit__(None, None, None)
+        perfsdk.flush()
+    assert forward._active == []
+    assert cap.regions == []
