@@ -175,6 +175,22 @@ async def main():
 
 asyncio.run(main())
 
+# -- a step's phases (perfsdk.phase: riding on the step's region) ----------------------------
+ph_forward = perfsdk.phase("phase.forward", category="compute")
+ph_backward = perfsdk.phase("phase.backward")
+for i in range(2):
+    with perfsdk.step():
+        with ph_forward, timed_region("phase.inside"):
+            pass
+        try:
+            with ph_backward:
+                if i == 1:
+                    raise RuntimeError("backward failed")
+        except RuntimeError:
+            pass
+with ph_forward:  # outside a step: a region of its own
+    pass
+
 # -- run-time switches -----------------------------------------------------------------------
 @profiled("toggle.func")
 def toggled():
@@ -236,6 +252,18 @@ def test_exact_names_and_nesting(main_ranges: list[Range]) -> None:
     assert outer["push_seq"] < middle["push_seq"] < inner1["push_seq"] < inner1["pop_seq"]
     assert inner1["pop_seq"] < inner2["push_seq"] < inner2["pop_seq"] < middle["pop_seq"]
     assert middle["pop_seq"] < other["push_seq"] < other["pop_seq"] < outer["pop_seq"]
+
+
+def test_phases_nest_in_their_step_and_stay_balanced(main_ranges: list[Range],
+                                                     main_events: list[Event]) -> None:
+    rs = [r for r in main_ranges
+          if r["message"] == "step" or str(r["message"]).startswith("phase.")]
+    one_step = [("step",), ("step", "phase.forward"), ("step", "phase.forward", "phase.inside"),
+                ("step", "phase.backward")]
+    assert [r["path"] for r in rs] == [*one_step, *one_step, ("phase.forward",)]
+    compute = _category_ids(main_events)[("perfsdk", "compute")]
+    assert {r["category"] for r in rs if r["message"] == "phase.forward"} == {compute}
+    assert len({r["thread"] for r in rs}) == 1
 
 
 def test_sync_regions_use_push_pop_not_start_end(main_events: list[Event]) -> None:
