@@ -2,7 +2,7 @@
 
 NVTX ranges for Nsight Systems, host and CUDA-event timings without added syncs, and
 OpenTelemetry spans, from one decorator (:func:`profiled`) or one ``with`` block
-(:class:`timed_region`); the phases of a training step at half a region's cost
+(:class:`timed_region`); the phases of a training step at a fraction of a region's cost
 (:class:`phase`).
 
 ``import perfsdk`` itself imports neither torch nor perfsdk's machinery, so that the ``perfsdk``

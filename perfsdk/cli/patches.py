@@ -8,7 +8,7 @@ While :class:`RunPatches` is installed:
 - every optimizer's ``step()`` runs inside an ``optimizer`` region,
 - the outermost module call (the model, not its layers) runs inside a ``<Class>.forward``
   region (these three are :class:`perfsdk.phase` blocks: inside a step each rides on the
-  step's region, at about half a ``timed_region``'s cost), and a
+  step's region, at a fraction of a ``timed_region``'s cost), and a
   ``DistributedDataParallel`` model seen there gets :func:`perfsdk.distributed.instrument_ddp`
   once (its gradient all-reduces become regions),
 - step :data:`FLOPS_STEP` (after warm-up) runs its forward and backward calls inside
@@ -73,7 +73,7 @@ _in_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("perfsdk_run_
                                                                   default=False)
 _lock = threading.Lock()
 # Phases of the step (perfsdk.phase): each records its span riding on the step's region, at
-# about half a timed_region's cost; outside a step each is a region of its own.
+# a fraction of a timed_region's cost; outside a step each is a region of its own.
 _BACKWARD = phase("backward", category="compute")
 _OPTIMIZER = phase("optimizer", category="update")
 _FORWARD: dict[str, phase] = {}

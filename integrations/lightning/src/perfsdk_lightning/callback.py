@@ -52,7 +52,7 @@ __all__ = ("PerfsdkCallback", "report_title")
 
 _CATEGORIES = {"forward": "compute", "backward": "compute", "optimizer": "update",
                "validation": "eval", "sanity_check": "eval", "epoch": "epoch"}
-_PHASES = ("forward", "backward", "optimizer")  # of each step: perfsdk.phase, at half the cost
+_PHASES = ("forward", "backward", "optimizer")  # of each step: perfsdk.phase, cheaper
 
 
 class _Open:
