@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from threading import get_ident
 from types import TracebackType
@@ -69,8 +70,7 @@ class phase:
         attributes: Mapping[str, Any] | None = None,
     ) -> None:
         self._args = (name, domain, color, category, memory, attributes)
-        self.spec = RegionSpec.create(name, domain=domain, color=color, category=category,
-                                      attributes=attributes, memory=memory, where="phase")
+        self.spec = _spec_for(name, domain, color, category, memory, attributes)
         # open(): the gate of RegionSpec.open_inner (compiled where perfsdk._fastpath is)
         self.open: Callable[[], _Entry] = _region.inner_gate(self.spec)
         self._active: list[_Entry] = []
@@ -99,6 +99,31 @@ class phase:
 
     def __repr__(self) -> str:
         return f"phase({self._args[0]!r})"
+
+
+def _spec_for(name: str, domain: str, color: str | int | None, category: str | None,
+              memory: bool | None, attributes: Mapping[str, Any] | None) -> RegionSpec:
+    """The spec of a phase with these arguments: one per distinct set (at most
+    :data:`SPECS_CACHED` kept), so ``with perfsdk.phase("forward"):`` written inside the loop
+    registers one spec, not one per step (every spec stays in the record table for good)."""
+    try:
+        items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                             for k, v in (attributes or {}).items()))
+        return _spec(name, domain, color, category, memory, items)
+    except TypeError:  # an unhashable argument: let the validation name it
+        return RegionSpec.create(name, domain=domain, color=color, category=category,
+                                 attributes=attributes, memory=memory, where="phase")
+
+
+SPECS_CACHED = 4096
+"""Distinct phase specs kept for reuse (as ``timed_region``'s)."""
+
+
+@functools.lru_cache(maxsize=SPECS_CACHED)
+def _spec(name: str, domain: str, color: str | int | None, category: str | None,
+          memory: bool | None, items: tuple[tuple[str, Any], ...]) -> RegionSpec:
+    return RegionSpec.create(name, domain=domain, color=color, category=category,
+                             attributes=dict(items) or None, memory=memory, where="phase")
 
 
 def _this_threads(active: list[_Entry]) -> int:

@@ -288,3 +288,22 @@ def test_an_exit_without_an_entry_is_a_no_op(monkeypatch):
         perfsdk.flush()
     assert forward._active == []
     assert cap.regions == []
+
+
+def test_a_phase_made_inside_the_loop_registers_one_spec():
+    """``with perfsdk.phase("forward"):`` written in the loop: the record table of specs must
+    not grow by one per step."""
+    from perfsdk import record as _record
+
+    with perfsdk.step(), phase("looped", category="compute", attributes={"k": [1, 2]}):
+        pass
+    before = len(_record.SPECS)
+    with capture() as cap:
+        for _ in range(500):
+            with perfsdk.step(), phase("looped", category="compute", attributes={"k": [1, 2]}):
+                pass
+        perfsdk.flush()
+    assert len(_record.SPECS) == before
+    found = cap.named("looped")
+    assert len(found) == 500
+    assert found[0].attributes["k"] == (1, 2)
