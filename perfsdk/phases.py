@@ -119,7 +119,7 @@ SPECS_CACHED = 4096
 """Distinct phase specs kept for reuse (as ``timed_region``'s)."""
 
 
-@functools.lru_cache(maxsize=SPECS_CACHED)
+@functools.lru_cache(maxsize=SPECS_CACHED, typed=True)  # memory=1 is not memory=True
 def _spec(name: str, domain: str, color: str | int | None, category: str | None,
           memory: bool | None, items: tuple[tuple[str, Any], ...]) -> RegionSpec:
     return RegionSpec.create(name, domain=domain, color=color, category=category,
