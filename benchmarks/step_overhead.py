@@ -305,15 +305,22 @@ def child(args: argparse.Namespace) -> int:
     def bare() -> None:
         plain_step(plain, plain_opt, x, y, mse)
 
-    def full() -> None:
-        with step(samples=batch):
-            with forward:
-                loss = mse(model(x), y)
-            opt.zero_grad()
-            with backward:
-                loss.backward()
-            with optimizer:
-                opt.step()
+    def stepped(fwd: Any, bwd: Any, upd: Any) -> Callable[[], None]:
+        """A step holding the three blocks (phases, or timed_region blocks)."""
+
+        def run() -> None:
+            with step(samples=batch):
+                with fwd:
+                    loss = mse(model(x), y)
+                opt.zero_grad()
+                with bwd:
+                    loss.backward()
+                with upd:
+                    opt.step()
+        return run
+
+    full = stepped(forward, backward, optimizer)
+    timed = stepped(t_forward, t_backward, t_optimizer)
 
     def step_only() -> None:
         with step(samples=batch):
@@ -321,16 +328,6 @@ def child(args: argparse.Namespace) -> int:
             opt.zero_grad()
             loss.backward()
             opt.step()
-
-    def timed() -> None:
-        with step(samples=batch):
-            with t_forward:
-                loss = mse(model(x), y)
-            opt.zero_grad()
-            with t_backward:
-                loss.backward()
-            with t_optimizer:
-                opt.step()
 
     # The floor on this machine: what the same four ranges cost written by hand, the least a
     # careful user would write (no context, no ids, nothing exported). Python code that runs
