@@ -27,17 +27,17 @@ class phase:
     nesting, times, the error it ended with, its NVTX range) at a fraction of the cost on the
     calling thread (under callgrind 8k instructions a block against 20k; in place, after a
     step's torch work, 53 against 74 us on the 2-core development machine), because it does
-    not become the current span: inside it,
-    ``trace.get_current_span()`` is the region around it (the step), which stands for the phase
-    while it is open. Regions and OpenTelemetry spans started inside a phase are still the
-    phase's children. It has no handle (``as`` gives None) and no per-entry attributes: use a
-    ``timed_region`` where the block needs its own span object.
+    not become the current span: inside it, ``trace.get_current_span()`` is the region around
+    it (the step), which stands for the phase while it is open. Regions and OpenTelemetry spans
+    started inside a phase are still the phase's children. It has no handle (``as`` gives
+    None) and no per-entry attributes: use a ``timed_region`` where the block needs its own
+    span object.
 
     This is how ``perfsdk run`` and the Lightning callback record the forward, backward and
-    optimizer phases of each step. Where a phase cannot ride on the region around
-    it, it is a region of its own, as ``timed_region`` records: outside any region, in another
-    thread than that region's, with memory readings (``memory=True``), with the torch profiler
-    on, or inside a region that records device time (CUDA was initialized when it began).
+    optimizer phases of each step. Where a phase cannot ride on the region around it, it is a
+    region of its own, as ``timed_region`` records: outside any region, in another thread than
+    that region's, with memory readings (``memory=True``), with the torch profiler on, or
+    inside a region that records device time (CUDA was initialized when it began).
 
     Hooks that open a phase in one callback and close it in another use ``open()``, which
     returns the entry; call its ``exit(error=None)`` once, on the same thread. In code that
