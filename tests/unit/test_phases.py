@@ -189,7 +189,7 @@ def test_open_returns_an_entry_a_later_hook_exits():
 
 def test_one_phase_object_in_many_threads_exits_each_threads_own_entry():
     shared = phase("threaded")
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(8, timeout=60)
     errors: list[BaseException] = []
     seen: list[tuple[int, int]] = []  # (the thread's outer span id, the phase standing in it)
 
