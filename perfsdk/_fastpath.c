@@ -23,8 +23,13 @@
  *   a Python frame. A gate reads its spec's fixed fields once; the settings'
  *   and the owner Region's __slots__ are read by offset (after an exact type check), and the
  *   modules' globals at every call (bind_inner / bind_backward hand the dicts over), so what a
- *   test swaps there (the host clock) is seen here too. Whatever is off the fast path
- *   (sampling, no Region to ride on, memory, the profiler) goes to RegionSpec.open_inner.
+ *   test swaps there (the host clock) is seen here too (on CPython before 3.12 a read is
+ *   cached while the dict's version tag stays the same: see global()). Whatever is off the
+ *   fast path (sampling, no Region to ride on, memory, the profiler) goes to
+ *   RegionSpec.open_inner.
+ * - ModuleCall(probe, inner) (perfsdk/auto/module.py: _wrapped_forward): the body of an
+ *   instrumented module's forward wrapper; the Python wrapper keeps the torch.compile check
+ *   and calls it.
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
@@ -224,14 +229,15 @@ static PyTypeObject *fork_type;
 static Py_ssize_t fork_generation;
 static PyObject *int_64, *int_done;
 
-#define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_profiler_enabled) \
+#define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_torch_profiler) X(_is_profiler_enabled) \
     X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) X(end_range) X(start_range) \
     X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) X(_enqueue) X(_tls) X(stack) \
     X(task) X(_task_id) X(_queue_callback) X(_end_of_pass) X(_partial) X(_warn) X(exit) \
     X(error) X(t1) X(every) X(memory) X(nvtx) X(domain) X(attributes) X(asynchronous) X(index) \
     X(nodes) X(grad_fn) X(_sequence_nr) X(_backward_hooks) X(_register_hook_dict) \
     X(register_prehook) X(_Tensor) X(_Hooks) X(_HOOK_KEY) X(_register) X(_make_hook) \
-    X(track_python)
+    X(track_python) X(forward) X(enabled) X(_no_backward) X(_forward_done) X(_grad_enabled) \
+    X(_input_nodes) X(_first_node)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -267,14 +273,46 @@ slot_offset(PyTypeObject *type, const char *name)
     return member->offset;
 }
 
+#if PY_VERSION_HEX < 0x030C0000
+/* The globals read last, by name: a hit while the dict's version tag is the one it had then.
+ * CPython gives every change of any dict a new tag (3.11: a global counter), so an unchanged
+ * tag means an unchanged dict, whose value is still there (borrowed). A test swapping a
+ * module's global changes the tag: it is read again. 3.12 deprecated the tag: no cache there. */
+typedef struct {
+    PyObject *dict;
+    PyObject *name;
+    PyObject *value;
+    uint64_t version;
+} GlobalSlot;
+#define GLOBAL_SLOTS 128
+static GlobalSlot global_slots[GLOBAL_SLOTS];
+#endif
+
 /* A module global (borrowed), or NULL with an exception set. */
 static PyObject *
 global(PyObject *globals, PyObject *name)
 {
-    PyObject *value = PyDict_GetItemWithError(globals, name);
-    if (value == NULL && !PyErr_Occurred()) {
-        PyErr_Format(PyExc_NameError, "perfsdk._fastpath: global %R is gone", name);
+    PyObject *value;
+#if PY_VERSION_HEX < 0x030C0000
+    GlobalSlot *slot = &global_slots[((uintptr_t)name * 0x9E3779B97F4A7C15ull) >> 57];
+    uint64_t version = ((PyDictObject *)globals)->ma_version_tag;
+    if (slot->name == name && slot->dict == globals && slot->version == version) {
+        return slot->value;
     }
+#endif
+    value = PyDict_GetItemWithError(globals, name);
+    if (value == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_NameError, "perfsdk._fastpath: global %R is gone", name);
+        }
+        return NULL;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    slot->dict = globals;
+    slot->name = name;
+    slot->value = value;
+    slot->version = version;
+#endif
     return value;
 }
 
@@ -340,14 +378,19 @@ may_ride(InnerGateObject *gate, PyObject *state, PyObject *owner)
     if (value == NULL || (truth = PyObject_IsTrue(value)) != 0) {
         return value == NULL ? 0 : (truth < 0 ? -1 : 0);
     }
-    /* not _profiler_enabled() */
-    if ((profiling = global(region_globals, s__profiler_enabled)) == NULL
-        || (profiling = PyObject_CallNoArgs(profiling)) == NULL) {
+    /* not _torch_profiler._is_profiler_enabled */
+    if ((profiling = global(region_globals, s__torch_profiler)) == NULL) {
         return -1;
     }
-    truth = PyObject_IsTrue(profiling);
-    Py_DECREF(profiling);
-    return truth < 0 ? -1 : !truth;
+    if (!PyModule_CheckExact(profiling)) {
+        PyErr_SetString(PyExc_TypeError, "perfsdk: _torch_profiler is not a module");
+        return -1;
+    }
+    if ((profiling = global(PyModule_GetDict(profiling), s__is_profiler_enabled)) == NULL
+        || (truth = PyObject_IsTrue(profiling)) < 0) {
+        return -1;
+    }
+    return !truth;
 }
 
 /* The current span (new reference): _cur_get(), and its _SPAN_KEY entry under OpenTelemetry.
@@ -1236,6 +1279,368 @@ done:
     return result;
 }
 
+/* ModuleCall(probe, inner): the body of an instrumented module's forward wrapper
+ * (perfsdk/auto/module.py, _wrapped_forward's forward past its torch.compile check), called as
+ * call(module, args, kwargs). The Python wrapper keeps only what dynamo must see (the compile
+ * check); the rest runs here, statement for statement the Python wrapper's, with one
+ * difference: the count of instrumented calls open on this thread (module.py's _tls.depth) is a
+ * C thread-local, where a threading.local attribute costs about 250 instructions a read or
+ * write. The globals come from perfsdk.auto.module (bind_module). */
+static PyObject *module_globals; /* perfsdk.auto.module's module dict (bind_module) */
+static _Thread_local Py_ssize_t module_depth;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *probe;
+    PyObject *spec;
+    PyObject *open;       /* probe.open (an InnerGate, or any callable) */
+    PyObject *bwd;        /* probe.bwd_open, or None */
+    PyObject *enter_root; /* probe.enter_root for the model itself, else NULL */
+    PyObject *inner;      /* an instance forward that was there before, else NULL */
+    Py_ssize_t live;      /* the offset of probe.live */
+} ModuleCallObject;
+
+/* The module's own forward: inner(*args, **kwargs), else type(module).forward(module, ...). */
+static PyObject *
+module_call_inner(ModuleCallObject *self, PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    PyObject *fn, *result, *stack[9];
+    Py_ssize_t i, n = PyTuple_GET_SIZE(args);
+    if (self->inner != NULL) {
+        return PyObject_Call(self->inner, args, kwargs);
+    }
+    if ((fn = PyObject_GetAttr((PyObject *)Py_TYPE(module), s_forward)) == NULL) {
+        return NULL;
+    }
+    if (kwargs == NULL && n < 9) {
+        stack[0] = module;
+        for (i = 0; i < n; i++) {
+            stack[i + 1] = PyTuple_GET_ITEM(args, i);
+        }
+        result = PyObject_Vectorcall(fn, stack, n + 1, NULL);
+    } else {
+        PyObject *all = PyTuple_New(n + 1);
+        if (all == NULL) {
+            Py_DECREF(fn);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(all, 0, Py_NewRef(module));
+        for (i = 0; i < n; i++) {
+            PyTuple_SET_ITEM(all, i + 1, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+        }
+        result = PyObject_Call(fn, all, kwargs);
+        Py_DECREF(all);
+    }
+    Py_DECREF(fn);
+    return result;
+}
+
+/* _no_backward(spec, exc) for the exception set now, when it is an Exception (0: handled);
+ * any other (KeyboardInterrupt) stays set (-1). */
+static int
+module_no_backward(ModuleCallObject *self)
+{
+    PyObject *type, *value, *traceback, *fn, *res;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return -1;
+    }
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    fn = global(module_globals, s__no_backward);
+    if (fn != NULL) {
+        PyObject *call[2] = {self->spec, value};
+        res = PyObject_Vectorcall(fn, call, 2, NULL);
+    } else {
+        res = NULL;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    if (res == NULL) {
+        return -1;
+    }
+    Py_DECREF(res);
+    return 0;
+}
+
+/* The outermost tracked call on this thread returned: _forward_done(). */
+static int
+module_leave(void)
+{
+    PyObject *fn, *res;
+    if (--module_depth > 0) {
+        return 0;
+    }
+    module_depth = 0;
+    if ((fn = global(module_globals, s__forward_done)) == NULL
+        || (res = PyObject_CallNoArgs(fn)) == NULL) {
+        return -1;
+    }
+    Py_DECREF(res);
+    return 0;
+}
+
+static PyObject *
+module_call_run(ModuleCallObject *self, PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    PyObject *state, *value, *region, *first = NULL, *inputs = NULL, *output, *fn;
+    int truth;
+    if ((state = global(region_globals, s__state)) == NULL) {
+        return NULL;
+    }
+    value = Py_TYPE(state) == state_slots.type ? SLOT(state, state_slots.enabled)
+                                                : PyObject_GetAttr(state, s_enabled);
+    if (value == NULL || (truth = PyObject_IsTrue(value)) < 0) {
+        if (Py_TYPE(state) != state_slots.type) {
+            Py_XDECREF(value);
+        }
+        return NULL;
+    }
+    if (Py_TYPE(state) != state_slots.type) {
+        Py_DECREF(value);
+    }
+    if (truth && ((value = SLOT(self->probe, self->live)) == NULL
+                  || (truth = PyObject_IsTrue(value)) < 0)) {
+        if (value == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "perfsdk: the probe has no 'live'");
+        }
+        return NULL;
+    }
+    if (!truth) {
+        return module_call_inner(self, module, args, kwargs);
+    }
+    if (self->enter_root != NULL) {
+        region = PyObject_CallNoArgs(self->enter_root);
+    } else if (Py_TYPE(self->open) == &InnerGateType) {
+        region = gate_open((InnerGateObject *)self->open);
+    } else {
+        region = PyObject_CallNoArgs(self->open);
+    }
+    if (region == NULL) {
+        return NULL;
+    }
+    if (self->bwd != Py_None && region != null_region) {
+        PyObject *tensor_type, *grad;
+        if ((fn = global(module_globals, s__grad_enabled)) == NULL
+            || (grad = PyObject_CallNoArgs(fn)) == NULL) {
+            Py_DECREF(region);
+            return NULL;
+        }
+        truth = grad == Py_True;
+        Py_DECREF(grad);
+        if (truth) { /* where this call's backward starts and ends (perfsdk.auto.backward) */
+            int single = 0;
+            if ((tensor_type = global(module_globals, s__Tensor)) == NULL) {
+                goto bookkeeping;
+            }
+            if (kwargs == NULL && PyTuple_GET_SIZE(args) == 1
+                && (single = PyObject_IsInstance(PyTuple_GET_ITEM(args, 0), tensor_type)) < 0) {
+                goto bookkeeping;
+            }
+            if (single) {
+                inputs = PyObject_GetAttr(PyTuple_GET_ITEM(args, 0), s_grad_fn);
+            } else if ((fn = global(module_globals, s__input_nodes)) != NULL) {
+                PyObject *call[2] = {args, kwargs == NULL ? PyDict_New() : Py_NewRef(kwargs)};
+                inputs = call[1] == NULL ? NULL : PyObject_Vectorcall(fn, call, 2, NULL);
+                Py_XDECREF(call[1]);
+            }
+            if (inputs != NULL && (fn = global(module_globals, s__first_node)) != NULL) {
+                first = PyObject_CallNoArgs(fn);
+            }
+        bookkeeping:
+            if (first == NULL) {
+                Py_CLEAR(inputs);
+                if (module_no_backward(self) < 0) {
+                    Py_DECREF(region);
+                    return NULL;
+                }
+            } else {
+                module_depth++;
+            }
+        }
+    }
+    output = module_call_inner(self, module, args, kwargs);
+    if (output == NULL) { /* region.exit(exc), _leave(first), raise */
+        PyObject *type, *exc, *traceback, *res;
+        PyErr_Fetch(&type, &exc, &traceback);
+        PyErr_NormalizeException(&type, &exc, &traceback);
+        if (traceback != NULL) {
+            PyException_SetTraceback(exc, traceback);
+        }
+        res = PyObject_CallMethodOneArg(region, s_exit, exc);
+        if (res == NULL) { /* exit's own error replaces the call's, as in Python */
+            Py_XDECREF(type);
+            Py_XDECREF(exc);
+            Py_XDECREF(traceback);
+        } else {
+            Py_DECREF(res);
+            PyErr_Restore(type, exc, traceback);
+        }
+        if (first != NULL) {
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            if (module_leave() < 0) {
+                PyErr_Clear();
+            }
+            PyErr_Restore(t, v, tb);
+        }
+        Py_DECREF(region);
+        Py_XDECREF(first);
+        Py_XDECREF(inputs);
+        return NULL;
+    }
+    {
+        PyObject *res = PyObject_CallMethodOneArg(region, s_exit, Py_None);
+        Py_DECREF(region);
+        if (res == NULL) {
+            Py_XDECREF(first);
+            Py_XDECREF(inputs);
+            Py_DECREF(output);
+            return NULL;
+        }
+        Py_DECREF(res);
+    }
+    if (first != NULL) {
+        PyObject *call[4] = {self->bwd, first, inputs, output}, *res;
+        res = fastpath_track(NULL, call, 4);
+        Py_DECREF(first);
+        Py_DECREF(inputs);
+        if (res == NULL && module_no_backward(self) < 0) {
+            module_depth--; /* a KeyboardInterrupt: the call is over all the same */
+            Py_DECREF(output);
+            return NULL;
+        }
+        Py_XDECREF(res);
+        if (module_leave() < 0) {
+            Py_DECREF(output);
+            return NULL;
+        }
+    }
+    return output;
+}
+
+static PyObject *
+module_call_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *kwargs;
+    if (PyVectorcall_NARGS(nargsf) != 3 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))
+        || !PyTuple_Check(args[1]) || (args[2] != Py_None && !PyDict_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "ModuleCall takes (module, args: tuple, kwargs: dict)");
+        return NULL;
+    }
+    if (module_globals == NULL || region_globals == NULL || backward_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: ModuleCall is not bound");
+        return NULL;
+    }
+    kwargs = args[2] == Py_None || PyDict_GET_SIZE(args[2]) == 0 ? NULL : args[2];
+    return module_call_run((ModuleCallObject *)op, args[0], args[1], kwargs);
+}
+
+static PyObject *
+module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *probe, *inner, *root;
+    ModuleCallObject *self;
+    int is_root;
+    if (!_PyArg_NoKeywords("ModuleCall", kwargs)
+        || !PyArg_ParseTuple(args, "OO:ModuleCall", &probe, &inner)) {
+        return NULL;
+    }
+    if ((self = (ModuleCallObject *)type->tp_alloc(type, 0)) == NULL) {
+        return NULL;
+    }
+    self->vectorcall = module_call_vectorcall;
+    self->probe = Py_NewRef(probe);
+    self->inner = inner == Py_None ? NULL : Py_NewRef(inner);
+    if ((self->live = slot_offset(Py_TYPE(probe), "live")) < 0
+        || (self->spec = PyObject_GetAttrString(probe, "spec")) == NULL
+        || (self->open = PyObject_GetAttrString(probe, "open")) == NULL
+        || (self->bwd = PyObject_GetAttrString(probe, "bwd_open")) == NULL
+        || (root = PyObject_GetAttrString(probe, "root")) == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    is_root = PyObject_IsTrue(root);
+    Py_DECREF(root);
+    if (is_root < 0
+        || (is_root && (self->enter_root = PyObject_GetAttrString(probe, "enter_root")) == NULL)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+module_call_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    ModuleCallObject *self = (ModuleCallObject *)op;
+    Py_VISIT(self->probe);
+    Py_VISIT(self->spec);
+    Py_VISIT(self->open);
+    Py_VISIT(self->bwd);
+    Py_VISIT(self->enter_root);
+    Py_VISIT(self->inner);
+    return 0;
+}
+
+static int
+module_call_clear(PyObject *op)
+{
+    ModuleCallObject *self = (ModuleCallObject *)op;
+    Py_CLEAR(self->probe);
+    Py_CLEAR(self->spec);
+    Py_CLEAR(self->open);
+    Py_CLEAR(self->bwd);
+    Py_CLEAR(self->enter_root);
+    Py_CLEAR(self->inner);
+    return 0;
+}
+
+static void
+module_call_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    module_call_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyObject *
+module_call_repr(PyObject *op)
+{
+    ModuleCallObject *self = (ModuleCallObject *)op;
+    return self->spec == NULL ? PyUnicode_FromString("<ModuleCall>")
+                              : PyUnicode_FromFormat("<ModuleCall of %R>", self->spec);
+}
+
+static PyTypeObject ModuleCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.ModuleCall",
+    .tp_basicsize = sizeof(ModuleCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "ModuleCall(probe, inner)(module, args, kwargs): the body of an instrumented "
+              "module's forward wrapper (perfsdk.auto.module), compiled.",
+    .tp_vectorcall_offset = offsetof(ModuleCallObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = module_call_new,
+    .tp_traverse = module_call_traverse,
+    .tp_clear = module_call_clear,
+    .tp_dealloc = module_call_dealloc,
+    .tp_repr = module_call_repr,
+};
+
+/* bind_module(globals): perfsdk.auto.module's module dict, for ModuleCall. */
+static PyObject *
+fastpath_bind_module(PyObject *module, PyObject *globals)
+{
+    if (!PyDict_Check(globals)) {
+        PyErr_SetString(PyExc_TypeError, "bind_module: expects a module's globals dict");
+        return NULL;
+    }
+    Py_XSETREF(module_globals, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
 /* bind_backward(globals): perfsdk.auto.backward's module dict, for NodeHook. */
 static PyObject *
 fastpath_bind_backward(PyObject *module, PyObject *globals)
@@ -1435,6 +1840,8 @@ static PyMethodDef fastpath_methods[] = {
      "compiled InnerRegion.exit."},
     {"track", (PyCFunction)(void (*)(void))fastpath_track, METH_FASTCALL,
      "track(open_, first, inputs, output): perfsdk.auto.backward.track, compiled."},
+    {"bind_module", fastpath_bind_module, METH_O,
+     "bind_module(globals): perfsdk.auto.module's globals, for ModuleCall."},
     {"bind_backward", fastpath_bind_backward, METH_O,
      "bind_backward(globals): perfsdk.auto.backward's globals, for NodeHook."},
     {NULL, NULL, 0, NULL},
@@ -1457,7 +1864,8 @@ PyInit__fastpath(void)
     }
     if (intern_names() < 0 || (int_64 = PyLong_FromLong(64)) == NULL
         || (int_done = PyLong_FromLong(-2)) == NULL || PyType_Ready(&NodeHookType) < 0
-        || PyType_Ready(&InnerGateType) < 0 || PyType_Ready(&RssPeakType) < 0) {
+        || PyType_Ready(&InnerGateType) < 0 || PyType_Ready(&RssPeakType) < 0
+        || PyType_Ready(&ModuleCallType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
@@ -1476,6 +1884,12 @@ PyInit__fastpath(void)
     Py_INCREF(&InnerGateType);
     if (PyModule_AddObject(module, "InnerGate", (PyObject *)&InnerGateType) < 0) {
         Py_DECREF(&InnerGateType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&ModuleCallType);
+    if (PyModule_AddObject(module, "ModuleCall", (PyObject *)&ModuleCallType) < 0) {
+        Py_DECREF(&ModuleCallType);
         Py_DECREF(module);
         return NULL;
     }

@@ -59,3 +59,15 @@ class NodeHook:
 def track(open_: Callable[[], Any], first: int, inputs: Any, output: Any, /) -> bool:
     """``perfsdk.auto.backward.track``, compiled for an output that is a plain tensor (after
     :func:`bind_backward`)."""
+
+def bind_module(globals: dict[str, Any], /) -> None:
+    """Hand ``perfsdk.auto.module``'s globals over, for :class:`ModuleCall`."""
+
+class ModuleCall:
+    """``ModuleCall(probe, inner)(module, args, kwargs)``: the body of an instrumented module's
+    forward wrapper past its ``torch.compile`` check (``perfsdk.auto.module``), compiled (after
+    :func:`bind_inner`, :func:`bind_backward` and :func:`bind_module`)."""
+
+    def __init__(self, probe: Any, inner: Callable[..., Any] | None, /) -> None: ...
+    def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                 /) -> Any: ...

@@ -72,7 +72,12 @@ _ids = random.Random()  # a generator of our own, seeded from os.urandom: a prog
 _getrandbits = _ids.getrandbits
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_ids.seed)
-_profiler_enabled = torch._C._autograd._profiler_enabled
+_torch_profiler = torch.autograd.profiler
+"""Whose ``_is_profiler_enabled`` says a torch profiler is on: the flag torch's own Python code
+reads (dynamo, inductor) before adding ``record_function`` ranges, set by
+``torch.profiler.profile``, ``torch.autograd.profiler.profile``, ``emit_nvtx`` and
+``emit_itt``. A module global, where ``torch._C._autograd._profiler_enabled()`` is a pybind11
+call (about 700 instructions, at every region's entry)."""
 _get_ident = threading.get_ident
 _noted = _record.NOTED
 _note_thread = _record.note_thread
@@ -236,7 +241,7 @@ class RegionSpec:
                     and owner.start_event is None and owner.thread_id == _get_ident()
                     and owner._gen == _FORK.generation
                     and not (memory or (memory is None and _state.memory))
-                    and not _profiler_enabled()):
+                    and not _torch_profiler._is_profiler_enabled):
                 dom = rid = None
                 if _state.nvtx:
                     dom = self.nvtx.domain
@@ -519,7 +524,7 @@ class Region(_ctx.SpanBase):  # type: ignore[misc]
         if not PIPELINE.started:
             PIPELINE.start()
         self._gen = _FORK.generation
-        if _profiler_enabled():
+        if _torch_profiler._is_profiler_enabled:
             rf = _record_function(spec.name)
             rf.__enter__()
             self._rf = rf

@@ -24,6 +24,9 @@ The model's own region also records what it runs with: ``perfsdk.transforms`` an
 ``perfsdk.amp`` from ``perfsdk.optimize.applied(model)`` at the time of the call, and
 ``perfsdk.amp`` when the caller's ``torch.autocast`` is on at its forward.
 
+Where perfsdk's compiled module is built, the wrapper's body past its ``torch.compile`` check
+runs in C (``perfsdk._fastpath.ModuleCall``, statement for statement the Python wrapper's).
+
 ``torch.compile``: every wrapper starts with ``torch.compiler.is_dynamo_compiling()``, which
 dynamo folds to True, so a compiled model traces to one graph with nothing recorded inside it
 (time it from outside, e.g. with a step region).
@@ -146,6 +149,8 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
     the wrapper's locals, with no stack to pair hooks. A submodule's region is usually an
     :class:`~perfsdk.region.InnerRegion` riding on its model's (``RegionSpec.open_inner``).
     """
+    if _module_call is not None:
+        return _wrapped_forward_compiled(probe, inner, declared)
     spec = probe.spec
     open_ = probe.open
     bwd = probe.bwd_open
@@ -193,6 +198,26 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
 
     forward.__perfsdk_probe__ = probe  # type: ignore[attr-defined]
     if inner is None:  # the signature of the module's forward, for code that inspects it
+        forward.__wrapped__ = declared  # type: ignore[attr-defined]
+    return forward
+
+
+def _wrapped_forward_compiled(probe: _Probe, inner: Callable[..., Any] | None,
+                              declared: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`_wrapped_forward` where perfsdk's compiled module is built: the wrapper keeps
+    only the ``torch.compile`` check, which dynamo must see, and hands the call to
+    ``perfsdk._fastpath.ModuleCall`` (the body of the Python wrapper, the same code)."""
+    call = _module_call(probe, inner)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            if inner is not None:
+                return inner(*args, **kwargs)
+            return type(self).forward(self, *args, **kwargs)
+        return call(self, args, kwargs)
+
+    forward.__perfsdk_probe__ = probe  # type: ignore[attr-defined]
+    if inner is None:
         forward.__wrapped__ = declared  # type: ignore[attr-defined]
     return forward
 
@@ -388,3 +413,11 @@ def instrument_module(
         done.remove()
         raise
     return done
+
+
+_module_call: Any = None
+"""``perfsdk._fastpath.ModuleCall`` where perfsdk's compiled twins are in use (see
+:mod:`perfsdk.auto.backward`), else None: the wrapper's body in Python."""
+if _bwd.track is not _bwd.track_python:
+    _region._fastpath.bind_module(globals())
+    _module_call = _region._fastpath.ModuleCall

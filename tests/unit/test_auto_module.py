@@ -41,11 +41,13 @@ def implementation(request: pytest.FixtureRequest,
         assert _bwd._make_hook is _region._fastpath.NodeHook
         assert _mod._track is _region._fastpath.track
         assert InnerRegion.exit is not _region.exit_inner_python
+        assert _mod._module_call is _region._fastpath.ModuleCall
     else:  # gates are made when a module is instrumented: after this
         monkeypatch.setattr(_region, "inner_gate", _region._inner_gate_python)
         monkeypatch.setattr(_bwd, "_make_hook", _bwd._partial(_bwd._partial, _bwd._on_node))
         monkeypatch.setattr(_mod, "_track", _bwd.track_python)
         monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
+        monkeypatch.setattr(_mod, "_module_call", None)
     return str(request.param)
 
 
@@ -379,6 +381,58 @@ def test_a_failure_in_backward_bookkeeping_never_breaks_backward(monkeypatch):
     assert counts()["auto-backward:RuntimeError"] >= 1
     assert len(cap.named("SimpleNet")) == 2
     assert len(cap.named("SimpleNet.backward")) == 1
+
+
+def test_a_failure_in_forward_bookkeeping_costs_that_call_its_backward_region_only(monkeypatch):
+    import perfsdk.auto.backward as bwd
+    from perfsdk.errors import PerfSDKWarning, counts
+
+    def broken() -> int:
+        raise RuntimeError("sequence")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.ones(2, 4, requires_grad=True)
+    expected = model(x)
+    with capture() as cap, instrument_module(model):
+        monkeypatch.setattr(_mod, "_first_node", broken)
+        with pytest.warns(PerfSDKWarning, match="sequence"):
+            out = model(x)
+        monkeypatch.undo()
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        assert bwd._tls.nodes == {}
+        model(x).sum().backward()  # and the next call records its backward again
+    assert counts()["auto-backward:RuntimeError"] >= 1
+    names = Counter(r.name for r in cap.regions)
+    assert names["Sequential"] == names["Sequential.0"] == names["Sequential.1"] == 2
+    assert names["Sequential.backward"] == names["Sequential.0.backward"] == 1
+    assert not isinstance(current_span(), Region)
+
+
+class _ManyArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, *rest: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.lin(a + sum(rest)) * scale
+
+
+@pytest.mark.parametrize(("args", "kwargs"), [
+    (1, {}), (2, {}), (12, {}), (1, {"scale": 2.0}), (12, {"scale": 3.0})])
+def test_a_module_gets_its_arguments_positional_or_keyword_any_number(args, kwargs):
+    torch.manual_seed(0)
+    model = _ManyArgs()
+    inputs = [torch.full((2, 4), float(i + 1), requires_grad=True) for i in range(args)]
+    expected = model(*inputs, **kwargs)
+    with capture() as cap, instrument_module(model):
+        out = model(*inputs, **kwargs)
+        out.sum().backward()
+    assert torch.equal(out, expected)
+    assert all(t.grad is not None for t in inputs)
+    names = Counter(r.name for r in cap.regions)
+    assert names["_ManyArgs"] == names["_ManyArgs.lin"] == 1
+    assert names["_ManyArgs.backward"] == names["_ManyArgs.lin.backward"] == 1
 
 
 def test_parallel_branches_get_one_backward_region_each_inside_their_parent():
