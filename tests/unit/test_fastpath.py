@@ -257,6 +257,39 @@ def test_compiled_gate_hands_what_is_off_its_fast_path_to_python() -> None:
 
 
 @needs_inner
+def test_compiled_gate_sees_a_global_swapped_after_it_was_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled code caches the module globals it reads while their dict is unchanged:
+    a global swapped later (a test's clock, torch's profiler flag) is read again."""
+    import torch
+
+    gate = _fastpath.InnerGate(RegionSpec.create("fast.swapped"))
+    ticks = iter(range(1_000, 2_000, 5))
+    with capture() as cap, perfsdk.timed_region("model"):
+        for _ in range(3):  # the clock and the flag are read, and cached
+            entry = gate()
+            assert type(entry) is region.InnerRegion
+            entry.exit(None)
+        monkeypatch.setattr(region, "_perf_ns", lambda: next(ticks))
+        entry = gate()
+        assert entry[7] == 1_000  # t0: from the swapped clock
+        entry.exit(None)
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+        entry = gate()  # under a torch profiler: a Region of its own (record_function)
+        assert type(entry) is region.Region
+        assert entry._rf is not None
+        entry.exit(None)
+        monkeypatch.undo()
+        entry = gate()
+        assert type(entry) is region.InnerRegion
+        entry.exit(None)
+    found = cap.named("fast.swapped")
+    assert len(found) == 6
+    assert [r.end_ns - r.start_ns for r in found].count(5) == 1  # 1,000 to 1,005 on the swap
+
+
+@needs_inner
 def test_compiled_inner_entries_keep_no_references(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thousands of entries leave the owner as they found it and no objects behind."""
     monkeypatch.setattr(region, "_enqueue", lambda record: None)  # records dropped here
