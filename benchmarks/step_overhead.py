@@ -607,7 +607,8 @@ def measure_primitives(args: argparse.Namespace, model: Any, opt: Any, x: Any, y
                                                  None, None, None, None)),
         "thread id check": thread_check,
         "CUDA initialized?": _device._is_initialized,  # torch.cuda.is_initialized
-        "profiler on?": torch._C._autograd._profiler_enabled,  # record_function wanted?
+        # record_function wanted? (torch's Python-side flag, as perfsdk.region reads it)
+        "profiler on?": lambda: torch.autograd.profiler._is_profiler_enabled,
         "timed_region": block,
         "phase (in a step)": phase_block,
     }
