@@ -77,7 +77,7 @@ _torch_profiler = torch.autograd.profiler
 reads (dynamo, inductor) before adding ``record_function`` ranges, set by
 ``torch.profiler.profile``, ``torch.autograd.profiler.profile``, ``emit_nvtx`` and
 ``emit_itt``. A module global, where ``torch._C._autograd._profiler_enabled()`` is a pybind11
-call (about 700 instructions, at every region's entry)."""
+call (hundreds of instructions, at every region's entry)."""
 _get_ident = threading.get_ident
 _noted = _record.NOTED
 _note_thread = _record.note_thread

@@ -418,6 +418,6 @@ def instrument_module(
 _module_call: Any = None
 """``perfsdk._fastpath.ModuleCall`` where perfsdk's compiled twins are in use (see
 :mod:`perfsdk.auto.backward`), else None: the wrapper's body in Python."""
-if _bwd.track is not _bwd.track_python:
-    _region._fastpath.bind_module(globals())
+if _bwd.track is not _bwd.track_python and hasattr(_region._fastpath, "ModuleCall"):
+    _region._fastpath.bind_module(globals())  # (a compiled module built before it has none)
     _module_call = _region._fastpath.ModuleCall
