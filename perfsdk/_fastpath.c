@@ -1142,10 +1142,13 @@ hook_output(PyObject *tensor, PyObject *node, PyObject *seq, PyObject *entry, Py
     if (hooks == Py_None) { /* tensor._backward_hooks = _Hooks(((_HOOK_KEY, hook),)) */
         PyObject *cls = global(backward_globals, s__Hooks);
         PyObject *key = cls == NULL ? NULL : global(backward_globals, s__HOOK_KEY);
-        PyObject *items = key == NULL ? NULL : Py_BuildValue("((OO))", key, hook);
-        hooks = items == NULL ? NULL : PyObject_CallOneArg(cls, items);
-        Py_XDECREF(items);
-        if (hooks == NULL || PyObject_SetAttr(tensor, s__backward_hooks, hooks) < 0) {
+        hooks = key == NULL ? NULL : PyObject_CallNoArgs(cls);  /* then one item: no tuples */
+        if (hooks != NULL && !PyDict_Check(hooks)) {
+            PyErr_SetString(PyExc_TypeError, "perfsdk: _Hooks is not a dict");
+            Py_CLEAR(hooks);
+        }
+        if (hooks == NULL || PyDict_SetItem(hooks, key, hook) < 0
+            || PyObject_SetAttr(tensor, s__backward_hooks, hooks) < 0) {
             Py_XDECREF(hooks);
             goto done;
         }

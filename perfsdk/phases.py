@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from threading import get_ident
 from types import TracebackType
@@ -14,7 +15,7 @@ import torch
 from perfsdk import region as _region
 from perfsdk.region import InnerRegion, NullRegion, Region, RegionSpec
 
-__all__ = ["phase"]
+__all__ = ["open_here", "phase"]
 
 _is_compiling = torch.compiler.is_dynamo_compiling  # dynamo folds it to True
 _Entry = Region | NullRegion | InnerRegion
@@ -56,7 +57,7 @@ class phase:
         [('forward', True)]
     """
 
-    __slots__ = ("_active", "_args", "open", "spec")
+    __slots__ = ("__weakref__", "_active", "_args", "open", "spec")
 
     def __init__(
         self,
@@ -74,6 +75,10 @@ class phase:
         # open(): the gate of RegionSpec.open_inner (compiled where perfsdk._fastpath is)
         self.open: Callable[[], _Entry] = _region.inner_gate(self.spec)
         self._active: list[_Entry] = []
+        named = _NAMED.get(name)
+        if named is None:
+            named = _NAMED.setdefault(name, weakref.WeakSet())
+        named.add(self)
 
     def __enter__(self) -> None:
         if not _is_compiling():
@@ -99,6 +104,25 @@ class phase:
 
     def __repr__(self) -> str:
         return f"phase({self._args[0]!r})"
+
+
+_NAMED: dict[str, weakref.WeakSet[phase]] = {}
+"""The live phase objects by name, for :func:`open_here` (added once, when made: the ``with``
+block costs nothing more)."""
+
+
+def open_here(name: str) -> bool:
+    """Whether a phase named ``name`` has a ``with`` block open on this thread (an entry from
+    ``open()`` is not tracked). ``perfsdk run`` asks before opening its own ``backward`` or
+    ``optimizer``, so a script that writes its own gets one span, not two nested."""
+    try:
+        for p in list(_NAMED.get(name, ())):
+            active = p._active
+            if active and _this_threads(active) >= 0:
+                return True
+    except RuntimeError:  # a phase made on another thread while we looked: not ours
+        pass
+    return False
 
 
 def _spec_for(name: str, domain: str, color: str | int | None, category: str | None,

@@ -60,7 +60,7 @@ from perfsdk.distributed import instrument_ddp
 from perfsdk.errors import warn_once
 from perfsdk.flops import ModelFlops
 from perfsdk.instrumentor import FRAMEWORK_STEPS
-from perfsdk.phases import phase
+from perfsdk.phases import open_here, phase
 from perfsdk.region import Region
 
 __all__ = ["FLOPS_STEP", "RunPatches"]
@@ -285,9 +285,10 @@ def _iter_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
 def _region_wrapper(region: phase, name: str, count: bool = False) -> Callable[..., Any]:
     """A wrapt wrapper running the call in ``region`` (named ``name``), once: a call inside the
     same wrapper (``Tensor.backward`` calls itself again through ``__torch_function__`` while a
-    torch function mode is on, e.g. a ``no_sync_guard``), inside a region of the same name that
-    the script or an integration opened around it, or while a framework's callback draws the
-    steps, runs as it is. With ``count``, the FLOPs of the counted step's call are counted."""
+    torch function mode is on, e.g. a ``no_sync_guard``), inside a region or a ``perfsdk.phase``
+    of the same name that the script or an integration opened around it, or while a framework's
+    callback draws the steps, runs as it is. With ``count``, the FLOPs of the counted step's
+    call are counted."""
     inside: contextvars.ContextVar[bool] = contextvars.ContextVar(f"perfsdk_run_{region!r}",
                                                                   default=False)
 
@@ -296,7 +297,7 @@ def _region_wrapper(region: phase, name: str, count: bool = False) -> Callable[.
         if FRAMEWORK_STEPS.active or inside.get():
             return wrapped(*args, **kwargs)
         current = current_span()
-        if isinstance(current, Region) and current.name == name:
+        if (isinstance(current, Region) and current.name == name) or open_here(name):
             return wrapped(*args, **kwargs)
         token = inside.set(True)
         try:

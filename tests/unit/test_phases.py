@@ -309,3 +309,20 @@ def test_a_phase_made_inside_the_loop_registers_one_spec():
     found = cap.named("looped")
     assert len(found) == 500
     assert found[0].attributes["k"] == (1, 2)
+
+
+def test_open_here_sees_this_thread_s_open_with_blocks_of_that_name():
+    backward = phase("backward")
+    seen = []
+    with perfsdk.timed_region("step"):
+        assert not _phases.open_here("backward")
+        with backward:
+            assert _phases.open_here("backward")
+            assert not _phases.open_here("optimizer")
+            other = threading.Thread(target=lambda: seen.append(_phases.open_here("backward")))
+            other.start()
+            other.join(60)
+        assert not _phases.open_here("backward")
+    with backward:  # outside any region: a Region of its own, still seen
+        assert _phases.open_here("backward")
+    assert seen == [False]  # another thread's block is not this one's

@@ -116,6 +116,36 @@ def test_one_backward_region_under_a_torch_function_mode() -> None:
     assert model.weight.grad is not None
 
 
+@pytest.mark.parametrize("own", ["phase", "timed_region"])
+def test_a_script_s_own_backward_and_optimizer_are_not_recorded_twice(own) -> None:
+    """A script that already times its backward and optimizer (as a phase or a region of
+    those names) keeps its own: perfsdk run adds no second span inside."""
+    import perfsdk
+
+    make = perfsdk.phase if own == "phase" else perfsdk.timed_region
+    backward, optimizer = make("backward"), make("optimizer")
+    model = nn.Linear(4, 2)
+    with capture() as cap, RunPatches():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made under the patches: wrapped
+        for _ in range(2):
+            with perfsdk.step():
+                loss = model(torch.ones(3, 4)).sum()
+                with backward:
+                    loss.backward()
+                with optimizer:
+                    opt.step()
+    names = [r.name for r in cap.regions]
+    assert names.count("backward") == names.count("optimizer") == 2
+    assert names.count("step") == names.count("Linear.forward") == 2
+    outside = [r.name for r in cap.regions if r.name in ("backward", "optimizer")]
+    with capture() as cap, RunPatches():  # elsewhere perfsdk run still records them
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+    assert sorted(r.name for r in cap.regions) == ["Linear.forward", "backward", "optimizer"]
+    assert sorted(outside) == ["backward"] * 2 + ["optimizer"] * 2
+
+
 def test_installing_twice_is_refused_and_removal_is_idempotent() -> None:
     patches = RunPatches().install()
     try:
