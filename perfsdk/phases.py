@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from threading import get_ident
@@ -75,10 +76,15 @@ class phase:
         # open(): the gate of RegionSpec.open_inner (compiled where perfsdk._fastpath is)
         self.open: Callable[[], _Entry] = _region.inner_gate(self.spec)
         self._active: list[_Entry] = []
-        named = _NAMED.get(name)
-        if named is None:
-            named = _NAMED.setdefault(name, weakref.WeakSet())
-        named.add(self)
+        with _named_lock:
+            named = _NAMED.get(name)
+            if named is None:
+                if len(_NAMED) >= SPECS_CACHED:  # bounded: names with no live phase go
+                    for key, live in list(_NAMED.items()):
+                        if not live:
+                            del _NAMED[key]
+                named = _NAMED[name] = weakref.WeakSet()
+            named.add(self)
 
     def __enter__(self) -> None:
         if not _is_compiling():
@@ -108,7 +114,9 @@ class phase:
 
 _NAMED: dict[str, weakref.WeakSet[phase]] = {}
 """The live phase objects by name, for :func:`open_here` (added once, when made: the ``with``
-block costs nothing more)."""
+block costs nothing more). Names whose phases are all gone leave it once it holds
+:data:`SPECS_CACHED` names."""
+_named_lock = threading.Lock()
 
 
 def open_here(name: str) -> bool:

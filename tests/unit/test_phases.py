@@ -326,3 +326,12 @@ def test_open_here_sees_this_thread_s_open_with_blocks_of_that_name():
     with backward:  # outside any region: a Region of its own, still seen
         assert _phases.open_here("backward")
     assert seen == [False]  # another thread's block is not this one's
+
+
+def test_the_names_registry_stays_bounded_when_phases_come_and_go():
+    for i in range(_phases.SPECS_CACHED + 500):
+        phase(f"made-and-dropped-{i}")
+    kept = phase("kept")
+    assert len(_phases._NAMED) <= _phases.SPECS_CACHED + 1
+    with perfsdk.timed_region("step"), kept:
+        assert _phases.open_here("kept")
