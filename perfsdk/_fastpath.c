@@ -1496,7 +1496,15 @@ module_call_run(ModuleCallObject *self, PyObject *module, PyObject *args, PyObje
     {
         PyObject *res = PyObject_CallMethodOneArg(region, s_exit, Py_None);
         Py_DECREF(region);
-        if (res == NULL) {
+        if (res == NULL) { /* the call is over all the same: its count too */
+            if (first != NULL) {
+                PyObject *t, *v, *tb;
+                PyErr_Fetch(&t, &v, &tb);
+                if (module_leave() < 0) {
+                    PyErr_Clear();
+                }
+                PyErr_Restore(t, v, tb);
+            }
             Py_XDECREF(first);
             Py_XDECREF(inputs);
             Py_DECREF(output);

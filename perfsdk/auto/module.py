@@ -184,7 +184,11 @@ def _wrapped_forward(probe: _Probe, inner: Callable[..., Any] | None,
             region.exit(exc)
             _leave(first)
             raise
-        region.exit(None)
+        try:
+            region.exit(None)
+        except BaseException:  # the call is over all the same: its count too
+            _leave(first)
+            raise
         if first >= 0:
             try:
                 _track(bwd, first, inputs, output)  # type: ignore[arg-type]

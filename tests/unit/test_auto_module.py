@@ -409,6 +409,35 @@ def test_a_failure_in_forward_bookkeeping_costs_that_call_its_backward_region_on
     assert not isinstance(current_span(), Region)
 
 
+def test_an_exit_that_raises_still_ends_the_call_s_count(monkeypatch):
+    """A submodule's region exit failing (never expected: perfsdk's own error) propagates, and
+    the call still counts as returned: the nodes hooked in the forward are let go."""
+    import perfsdk.auto.backward as bwd
+
+    original = InnerRegion.exit
+    failed: list[int] = []
+
+    def exit_once_failing(self, error=None, t1=0):  # type: ignore[no-untyped-def]
+        original(self, error, t1)
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("exit")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.ones(2, 4, requires_grad=True)
+    with capture() as cap, instrument_module(model):
+        monkeypatch.setattr(InnerRegion, "exit", exit_once_failing)
+        with pytest.raises(RuntimeError, match="exit"):
+            model(x)
+        monkeypatch.undo()
+        assert bwd._tls.nodes == {}
+        out = model(x)
+        assert bwd._tls.nodes == {}  # the outermost call ended: its nodes are let go
+        out.sum().backward()
+    assert not isinstance(current_span(), Region)
+    assert Counter(r.name for r in cap.regions)["Sequential"] == 2
+
+
 class _ManyArgs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
