@@ -27,7 +27,7 @@ _is_compiling = torch.compiler.is_dynamo_compiling  # 18 ns; dynamo folds it to 
 _alloc = object.__new__  # a Region without its __init__ (the gate's way: _start sets every field)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)  # memory=1 is not memory=True (nor sync=1)
 def _spec(name: str, domain: str, color: str | int | None, category: str | None,
           payload: int | None, sync: bool, memory: bool | None, function: str, filepath: str,
           lineno: int, asynchronous: bool = False) -> RegionSpec:

@@ -142,6 +142,20 @@ def test_bad_memory_argument_is_named():
         configure(memory=1)  # type: ignore[arg-type]
 
 
+def test_a_call_site_that_passed_memory_true_still_refuses_memory_1():
+    """timed_region caches its spec per call site and arguments; 1 == True must not make a
+    refused value a cache hit."""
+    refused = []
+    for value in (True, 1):
+        try:
+            perfsdk.timed_region("m.site", memory=value)  # type: ignore[arg-type]
+        except ValueError as exc:
+            refused.append((value, str(exc)))
+    assert len(refused) == 1
+    assert type(refused[0][0]) is int  # 1, not True
+    assert "memory=1" in refused[0][1]
+
+
 def test_without_cuda_only_rss_is_reported():
     with capture() as cap, perfsdk.timed_region("cpu", memory=True):
         pass
