@@ -229,8 +229,8 @@ static PyTypeObject *fork_type;
 static Py_ssize_t fork_generation;
 static PyObject *int_64, *int_done;
 
-#define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_torch_profiler) X(_is_profiler_enabled) \
-    X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) X(end_range) X(start_range) \
+#define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_torch_profiler) \
+    X(_is_profiler_enabled) X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) X(end_range) X(start_range) \
     X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) X(_enqueue) X(_tls) X(stack) \
     X(task) X(_task_id) X(_queue_callback) X(_end_of_pass) X(_partial) X(_warn) X(exit) \
     X(error) X(t1) X(every) X(memory) X(nvtx) X(domain) X(attributes) X(asynchronous) X(index) \
@@ -1384,6 +1384,18 @@ module_leave(void)
     return 0;
 }
 
+/* module_leave() while the call's own exception is set: that exception stays the one raised. */
+static void
+module_leave_raising(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (module_leave() < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, traceback);
+}
+
 static PyObject *
 module_call_run(ModuleCallObject *self, PyObject *module, PyObject *args, PyObject *kwargs)
 {
@@ -1481,12 +1493,7 @@ module_call_run(ModuleCallObject *self, PyObject *module, PyObject *args, PyObje
             PyErr_Restore(type, exc, traceback);
         }
         if (first != NULL) {
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            if (module_leave() < 0) {
-                PyErr_Clear();
-            }
-            PyErr_Restore(t, v, tb);
+            module_leave_raising();
         }
         Py_DECREF(region);
         Py_XDECREF(first);
@@ -1498,12 +1505,7 @@ module_call_run(ModuleCallObject *self, PyObject *module, PyObject *args, PyObje
         Py_DECREF(region);
         if (res == NULL) { /* the call is over all the same: its count too */
             if (first != NULL) {
-                PyObject *t, *v, *tb;
-                PyErr_Fetch(&t, &v, &tb);
-                if (module_leave() < 0) {
-                    PyErr_Clear();
-                }
-                PyErr_Restore(t, v, tb);
+                module_leave_raising();
             }
             Py_XDECREF(first);
             Py_XDECREF(inputs);
