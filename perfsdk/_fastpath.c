@@ -231,7 +231,8 @@ static PyObject *int_64, *int_done;
 
 #define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_torch_profiler) \
     X(_is_profiler_enabled) X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) \
-    X(end_range) X(start_range) X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) X(_enqueue) X(_tls) X(stack) \
+    X(end_range) X(start_range) X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) \
+    X(_enqueue) X(_tls) X(stack) \
     X(task) X(_task_id) X(_queue_callback) X(_end_of_pass) X(_partial) X(_warn) X(exit) \
     X(error) X(t1) X(every) X(memory) X(nvtx) X(domain) X(attributes) X(asynchronous) X(index) \
     X(nodes) X(grad_fn) X(_sequence_nr) X(_backward_hooks) X(_register_hook_dict) \
