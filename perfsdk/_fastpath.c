@@ -40,6 +40,8 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
+#include <pthread.h>
 #include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY */
 
 #ifdef PERFSDK_NVTX
@@ -187,6 +189,20 @@ nvtxcall_repr(PyObject *op)
     return PyUnicode_FromFormat("<perfsdk._fastpath.NvtxCall %R>", ((NvtxCallObject *)op)->name);
 }
 
+/* pop_range(): the range's pop, for the pure-Python InnerRegion.exit given an entry whose range
+ * the compiled gate pushed (it stores the NvtxCall where the nvtx package's domain would be). */
+static PyObject *
+nvtxcall_pop_range(PyObject *op, PyObject *unused)
+{
+    nvtxDomainRangePop(((NvtxCallObject *)op)->domain);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef nvtxcall_methods[] = {
+    {"pop_range", nvtxcall_pop_range, METH_NOARGS, "pop_range(): pop the range (nvtx's API)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject NvtxCallType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "perfsdk._fastpath.NvtxCall",
@@ -199,6 +215,7 @@ static PyTypeObject NvtxCallType = {
     .tp_new = nvtxcall_new,
     .tp_dealloc = nvtxcall_dealloc,
     .tp_repr = nvtxcall_repr,
+    .tp_methods = nvtxcall_methods,
 };
 #endif /* PERFSDK_NVTX */
 
@@ -228,6 +245,84 @@ static StateSlots state_slots;
 static PyTypeObject *fork_type;
 static Py_ssize_t fork_generation;
 static PyObject *int_64, *int_done;
+static PyObject *perf_counter_ns; /* time.perf_counter_ns (bind_inner) */
+static PyObject *ids_getrandbits; /* perfsdk.region._getrandbits as bound (bind_inner) */
+
+/* The host clock a region reads (new reference): region's _perf_ns, read without calling it
+ * while it is time.perf_counter_ns (CLOCK_MONOTONIC on Linux: the same reading); what a test
+ * swaps in (perfsdk.testing's clocks) is called. */
+static PyObject *
+clock_read(PyObject *fn)
+{
+#ifdef CLOCK_MONOTONIC
+    struct timespec ts;
+    if (fn == perf_counter_ns && clock_gettime(CLOCK_MONOTONIC, &ts) == 0) {
+        return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    }
+#endif
+    return PyObject_CallNoArgs(fn);
+}
+
+/* Span and trace ids. While region's _getrandbits is the one bound at bind_inner (a test may
+ * swap it), ids come from a generator of this module's own: splitmix64 over a counter seeded
+ * from the OS (getentropy) at import and again in every forked child (pthread_atfork), so a
+ * program's random.seed() never repeats them, nor does a DataLoader worker repeat its
+ * parent's; distinct within a process (a bijection of the counter) and without the Mersenne
+ * Twister's 2.5 KB of state to touch at every region. The GIL guards the counter. */
+static uint64_t id_counter;
+
+static void
+ids_seed(void)
+{
+    uint64_t seed = 0;
+    struct timespec ts;
+    if (getentropy(&seed, sizeof seed) != 0) {
+        clock_gettime(CLOCK_REALTIME, &ts);
+        seed = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16)
+               ^ (uint64_t)(uintptr_t)&seed;
+    }
+    id_counter = seed;
+}
+
+static uint64_t
+ids_next(void)
+{
+    uint64_t z = (id_counter += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A new id of `bits` (64 or 128) bits, never 0 (new reference): fn(bits) or 1 where fn is
+ * neither NULL nor the bound generator. */
+static PyObject *
+random_id(PyObject *fn, int bits)
+{
+    PyObject *value;
+    int truth;
+    if (fn == NULL || fn == ids_getrandbits) {
+        uint64_t low = ids_next(), high = bits > 64 ? ids_next() : 0;
+        unsigned char bytes[16];
+        int i;
+        if (bits <= 64) {
+            return PyLong_FromUnsignedLongLong(low ? low : 1);
+        }
+        if (!low && !high) {
+            low = 1;
+        }
+        for (i = 0; i < 8; i++) {
+            bytes[i] = (unsigned char)(low >> (8 * i));
+            bytes[8 + i] = (unsigned char)(high >> (8 * i));
+        }
+        return _PyLong_FromByteArray(bytes, 16, 1, 0);
+    }
+    value = bits == 64 ? PyObject_CallOneArg(fn, int_64) : PyObject_CallFunction(fn, "i", bits);
+    if (value == NULL || (truth = PyObject_IsTrue(value)) > 0) {
+        return value;
+    }
+    Py_DECREF(value);
+    return truth < 0 ? NULL : PyLong_FromLong(1);
+}
 
 #define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_torch_profiler) \
     X(_is_profiler_enabled) X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) \
@@ -329,6 +424,7 @@ typedef struct {
     PyObject *push;       /* spec.nvtx.domain.push_range / start_range, or None */
     PyObject *attributes; /* spec.nvtx.attributes */
     PyObject *domain;     /* spec.nvtx.domain, or None */
+    PyObject *nvtx_call;  /* spec.nvtx.call, an NvtxCall pushed and popped here, or NULL */
     int asynchronous;
 } InnerGateObject;
 
@@ -470,6 +566,14 @@ gate_open(InnerGateObject *gate)
             Py_DECREF(owner);
             return value == NULL ? gate_python(gate) : NULL;
         }
+#ifdef PERFSDK_NVTX
+        if (truth && gate->nvtx_call != NULL) { /* the same range, without a call */
+            NvtxCallObject *call = (NvtxCallObject *)gate->nvtx_call;
+            nvtxDomainRangePushEx(call->domain, &call->attributes);
+            dom = gate->nvtx_call;
+            truth = 0;
+        }
+#endif
         if (truth) {
             PyObject *pushed = PyObject_CallOneArg(gate->push, gate->attributes);
             dom = gate->domain;
@@ -492,14 +596,8 @@ gate_open(InnerGateObject *gate)
         goto done;
     }
     if ((fn = global(region_globals, s__getrandbits)) == NULL
-        || (span_id = PyObject_CallOneArg(fn, int_64)) == NULL) {
+        || (span_id = random_id(fn, 64)) == NULL) {
         goto done;
-    }
-    if ((truth = PyObject_IsTrue(span_id)) <= 0) {
-        Py_SETREF(span_id, truth < 0 ? NULL : PyLong_FromLong(1));
-        if (span_id == NULL) {
-            goto done;
-        }
     }
     /* the slot's reference to outer (borrowed until here) is ours from now on */
     SLOT(owner, region_slots.inner_id) = Py_NewRef(span_id);
@@ -511,7 +609,7 @@ gate_open(InnerGateObject *gate)
         parent = outer;  /* else the owner's span_id, borrowed: the owner holds it */
     }
     if ((fn = global(region_globals, s__perf_ns)) == NULL
-        || (t0 = PyObject_CallNoArgs(fn)) == NULL
+        || (t0 = clock_read(fn)) == NULL
         || (result = inner_type->tp_alloc(inner_type, 8)) == NULL) {
         Py_DECREF(outer);
         goto done;
@@ -587,6 +685,18 @@ gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                                                   : s_push_range)) == NULL) {
         goto fail;
     }
+#ifdef PERFSDK_NVTX
+    if (!truth) { /* a push/pop range: an NvtxCall of the marker's pushes it without a call */
+        PyObject *call = PyObject_GetAttrString(nvtx, "call");
+        if (call == NULL) {
+            PyErr_Clear();
+        } else if (Py_TYPE(call) == &NvtxCallType) {
+            self->nvtx_call = call;
+        } else {
+            Py_DECREF(call);
+        }
+    }
+#endif
     Py_DECREF(nvtx);
     Py_DECREF(value);
     return (PyObject *)self;
@@ -608,6 +718,7 @@ gate_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->push);
     Py_VISIT(self->attributes);
     Py_VISIT(self->domain);
+    Py_VISIT(self->nvtx_call);
     return 0;
 }
 
@@ -622,6 +733,7 @@ gate_clear(PyObject *op)
     Py_CLEAR(self->push);
     Py_CLEAR(self->attributes);
     Py_CLEAR(self->domain);
+    Py_CLEAR(self->nvtx_call);
     return 0;
 }
 
@@ -697,7 +809,7 @@ inner_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         }
         Py_INCREF(t1);
     } else if ((fn = global(region_globals, s__perf_ns)) == NULL
-               || (t1 = PyObject_CallNoArgs(fn)) == NULL) {
+               || (t1 = clock_read(fn)) == NULL) {
         return NULL;
     }
     owner = PyTuple_GET_ITEM(self, 0);
@@ -711,6 +823,12 @@ inner_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         Py_DECREF(t1);
         return NULL;
     }
+#ifdef PERFSDK_NVTX
+    if (Py_TYPE(dom) == &NvtxCallType && rid == Py_None) { /* pushed by the compiled gate */
+        nvtxDomainRangePop(((NvtxCallObject *)dom)->domain);
+        dom = Py_None;
+    }
+#endif
     if (dom != Py_None) {
         res = rid == Py_None ? PyObject_CallMethodNoArgs(dom, s_pop_range)
                              : PyObject_CallMethodOneArg(dom, s_end_range, rid);
@@ -793,6 +911,21 @@ static PyMethodDef inner_exit_def = {
     "exit(error=None, t1=0): end the entry; its record goes to the pipeline (compiled).",
 };
 
+/* new_id(bits): the next id of the compiled generator (64 or 128 bits, never 0). */
+static PyObject *
+fastpath_new_id(PyObject *module, PyObject *arg)
+{
+    long bits = PyLong_AsLong(arg);
+    if (bits != 64 && bits != 128) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "new_id: bits=%R; accepted values are 64 and 128",
+                         arg);
+        }
+        return NULL;
+    }
+    return random_id(NULL, (int)bits);
+}
+
 /* bind_inner(globals, InnerRegion, Region, NULL_REGION, state, fork, Context or None)
  * -> the compiled InnerRegion.exit (a method descriptor of InnerRegion). */
 static PyObject *
@@ -844,6 +977,19 @@ fastpath_bind_inner(PyObject *module, PyObject *args)
     Py_XSETREF(region_globals, Py_NewRef(globals));
     Py_XSETREF(inner_type, (PyTypeObject *)Py_NewRef(inner));
     Py_XSETREF(null_region, Py_NewRef(null));
+    {
+        PyObject *time = PyImport_ImportModule("time"), *clock, *bits;
+        clock = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
+        Py_XDECREF(time);
+        if (clock == NULL) {
+            return NULL;
+        }
+        Py_XSETREF(perf_counter_ns, clock);
+        if ((bits = global(globals, s__getrandbits)) == NULL) {
+            return NULL;
+        }
+        Py_XSETREF(ids_getrandbits, Py_NewRef(bits));
+    }
     return PyDescr_NewMethod(inner_type, &inner_exit_def);
 }
 
@@ -1849,6 +1995,8 @@ static PyTypeObject RssPeakType = {
 static PyMethodDef fastpath_methods[] = {
     {"maxrss", fastpath_maxrss, METH_NOARGS,
      "maxrss() -> int: the process's peak resident set size in bytes (ru_maxrss)."},
+    {"new_id", fastpath_new_id, METH_O,
+     "new_id(bits) -> int: the next span (64) or trace (128) id of the compiled generator."},
     {"bind_inner", fastpath_bind_inner, METH_VARARGS,
      "bind_inner(globals, InnerRegion, Region, NULL_REGION, state, fork, Context) -> the "
      "compiled InnerRegion.exit."},
@@ -1874,6 +2022,12 @@ PyInit__fastpath(void)
 {
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL) {
+        return NULL;
+    }
+    ids_seed();
+    if (pthread_atfork(NULL, NULL, ids_seed) != 0) { /* a child must not repeat our ids */
+        PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: pthread_atfork failed");
+        Py_DECREF(module);
         return NULL;
     }
     if (intern_names() < 0 || (int_64 = PyLong_FromLong(64)) == NULL

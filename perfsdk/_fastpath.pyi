@@ -35,6 +35,10 @@ class NvtxCall:
                  kwargs: dict[str, Any] | None, /) -> Any:
         """``fn(*args, **kwargs)`` inside the NVTX range (popped also when ``fn`` raises)."""
 
+def new_id(bits: int, /) -> int:
+    """The next id of the compiled generator: a span id (64 bits) or a trace id (128), never 0.
+    Compiled entries draw from it while ``perfsdk.region._getrandbits`` is the one bound."""
+
 def bind_inner(globals: dict[str, Any], inner: type, region: type, null_region: object,
                state: object, fork: object, context: type | None, /) -> Any:
     """Hand ``perfsdk.region``'s globals and types over; return the compiled

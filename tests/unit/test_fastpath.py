@@ -9,6 +9,7 @@ equal to the Python twin's, and that perfsdk imports and works without the modul
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
@@ -199,14 +200,15 @@ def _entries(gate: Any, clock: FakeClock) -> None:
 @needs_inner
 def test_compiled_inner_entries_record_what_the_python_twin_records(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same ids (seeded), parents, times, errors and names, compiled and in Python."""
+    """Same ids (a seeded generator swapped in), parents, times, errors and names, compiled
+    and in Python."""
     specs = {name: RegionSpec.create(f"fast.{name}") for name in "abcd"}
     runs = []
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setattr(region.InnerRegion, "exit", region.exit_inner_python)
         make = _fastpath.InnerGate if compiled else region._inner_gate_python
-        region._ids.seed(1234)
+        monkeypatch.setattr(region, "_getrandbits", random.Random(1234).getrandbits)
         with use_fake_clock() as clock, capture() as cap:
             _entries(lambda name: make(specs[name]), clock)  # noqa: B023
         t0 = cap.named("model")[0].start_ns  # each fake clock starts at the real time
@@ -400,3 +402,57 @@ def test_bind_inner_refuses_types_without_plain_slots() -> None:
         entry = gate()
         assert type(entry) is region.InnerRegion
         entry.exit(None)
+
+
+@pytest.mark.skipif(_fastpath is None or not hasattr(_fastpath, "new_id"),
+                    reason="perfsdk._fastpath is not built")
+def test_compiled_ids_are_distinct_nonzero_and_of_their_size() -> None:
+    spans = [_fastpath.new_id(64) for _ in range(20_000)]
+    traces = [_fastpath.new_id(128) for _ in range(1_000)]
+    assert len(set(spans)) == len(spans)
+    assert all(0 < i < 1 << 64 for i in spans)
+    assert len(set(traces)) == len(traces)
+    assert all(0 < i < 1 << 128 for i in traces)
+    assert any(i >= 1 << 64 for i in traces)  # both halves drawn
+    for bad in (0, 32, 65, "64"):
+        with pytest.raises((ValueError, TypeError), match=r"bits|integer"):
+            _fastpath.new_id(bad)
+
+
+@needs_inner
+def test_compiled_entries_ids_do_not_follow_the_programs_random_seed() -> None:
+    """random.seed() in the program must not repeat a phase's span id (compiled generator)."""
+    forward = perfsdk.phase("seeded.phase")
+    with capture() as cap:
+        for _ in range(2):
+            random.seed(1234)
+            with perfsdk.step(), forward:
+                pass
+        perfsdk.flush()
+    first, second = cap.named("seeded.phase")
+    assert first.span_id != second.span_id
+    assert first.parent_span_id != second.parent_span_id  # the steps' own ids differ too
+
+
+@pytest.mark.skipif(_fastpath is None or not hasattr(_fastpath, "new_id"),
+                    reason="perfsdk._fastpath is not built")
+def test_a_forked_child_draws_other_compiled_ids() -> None:
+    """A forked child (a DataLoader worker) does not repeat its parent's next ids: the compiled
+    generator is reseeded in the child."""
+    import os
+
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # 3.12+: fork() of a process with threads warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: report its next ids and leave at once
+        os.close(read)
+        os.write(write, f"{_fastpath.new_id(64)} {_fastpath.new_id(64)}".encode())
+        os._exit(0)
+    os.close(write)
+    child = [int(x) for x in os.read(read, 128).split()]
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = [_fastpath.new_id(64), _fastpath.new_id(64)]
+    assert len(child) == 2
+    assert not set(child) & set(parent)
