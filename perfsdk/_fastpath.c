@@ -333,7 +333,8 @@ random_id(PyObject *fn, int bits)
     X(nodes) X(grad_fn) X(_sequence_nr) X(_backward_hooks) X(_register_hook_dict) \
     X(register_prehook) X(_Tensor) X(_Hooks) X(_HOOK_KEY) X(_register) X(_make_hook) \
     X(track_python) X(forward) X(enabled) X(_no_backward) X(_forward_done) X(_grad_enabled) \
-    X(_input_nodes) X(_first_node)
+    X(_input_nodes) X(_first_node) X(started) X(_is_initialized) X(_initialized) \
+    X(_noted) X(_start_python) X(_Context) X(_detach)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -766,13 +767,43 @@ static PyTypeObject InnerGateType = {
     .tp_repr = gate_repr,
 };
 
+/* if len(_queue) < PIPELINE.max_pending: _enqueue(record) else: PIPELINE.spill(record)
+ * (PIPELINE.submit, as the Python exits write it out). 0, or -1 with an exception set. */
+static int
+enqueue_record(PyObject *record)
+{
+    PyObject *queue, *pipeline, *limit, *fn, *res;
+    Py_ssize_t length, most;
+    if ((queue = global(region_globals, s__queue)) == NULL
+        || (pipeline = global(region_globals, s_PIPELINE)) == NULL
+        || (limit = PyObject_GetAttr(pipeline, s_max_pending)) == NULL) {
+        return -1;
+    }
+    most = PyLong_AsSsize_t(limit);
+    Py_DECREF(limit);
+    if ((most == -1 && PyErr_Occurred()) || (length = PyObject_Length(queue)) < 0) {
+        return -1;
+    }
+    if (length < most) {
+        res = (fn = global(region_globals, s__enqueue)) == NULL ? NULL
+                                                                : PyObject_CallOneArg(fn, record);
+    } else {
+        res = PyObject_CallMethodOneArg(pipeline, s_spill, record);
+    }
+    if (res == NULL) {
+        return -1;
+    }
+    Py_DECREF(res);
+    return 0;
+}
+
 /* InnerRegion.exit(error=None, t1=0), compiled (a method of the Python class). */
 static PyObject *
 inner_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *error = Py_None, *t1 = NULL, *owner, *dom, *rid, *fn, *record, *queue, *pipeline;
-    PyObject *trace_id, *thread_id, *limit, *res;
-    Py_ssize_t i, nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), length;
+    PyObject *error = Py_None, *t1 = NULL, *owner, *dom, *rid, *fn, *record;
+    PyObject *trace_id, *thread_id, *res;
+    Py_ssize_t i, nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int truth, exact;
     if (nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "exit() takes at most 2 arguments");
@@ -874,35 +905,11 @@ inner_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
     for (i = 8; i < 15; i++) {
         PyTuple_SET_ITEM(record, i, Py_NewRef(Py_None));
     }
-    /* if len(_queue) < PIPELINE.max_pending: _enqueue(record) else: PIPELINE.spill(record) */
-    if ((queue = global(region_globals, s__queue)) == NULL
-        || (pipeline = global(region_globals, s_PIPELINE)) == NULL
-        || (limit = PyObject_GetAttr(pipeline, s_max_pending)) == NULL
-        || (length = PyObject_Length(queue)) < 0) {
-        Py_DECREF(record);
-        return NULL;
-    }
-    {
-        PyObject *size = PyLong_FromSsize_t(length);
-        truth = size == NULL ? -1 : PyObject_RichCompareBool(size, limit, Py_LT);
-        Py_XDECREF(size);
-        Py_DECREF(limit);
-    }
-    if (truth < 0) {
-        Py_DECREF(record);
-        return NULL;
-    }
-    if (truth) {
-        res = (fn = global(region_globals, s__enqueue)) == NULL ? NULL
-                                                                : PyObject_CallOneArg(fn, record);
-    } else {
-        res = PyObject_CallMethodOneArg(pipeline, s_spill, record);
-    }
+    truth = enqueue_record(record);
     Py_DECREF(record);
-    if (res == NULL) {
+    if (truth < 0) {
         return NULL;
     }
-    Py_DECREF(res);
     Py_RETURN_NONE;
 }
 
@@ -991,6 +998,580 @@ fastpath_bind_inner(PyObject *module, PyObject *args)
         Py_XSETREF(ids_getrandbits, Py_NewRef(bits));
     }
     return PyDescr_NewMethod(inner_type, &inner_exit_def);
+}
+
+/* ---- a step's region: Region._start and Region.exit, their common case compiled ----------
+ *
+ * RegionStart(spec)(attributes) is perfsdk.region._start_python(spec, attributes) (a fresh
+ * Region, entered) and region_exit(region, error, t1) is region.exit(error, t1), without a
+ * Python frame, for an entry on the host: timing on, the pipeline started, no torch profiler,
+ * no memory readings, CUDA not initialized, a push/pop NVTX range (or none), the parent a
+ * Region or nothing, a thread already noted. Anything else goes to the Python code, decided
+ * before anything is done. The steps of perfsdk.auto use them (bind_region). */
+typedef struct {
+    Py_ssize_t attributes, gen, mem, nvtx, rf, timed, token, device_ms, end_event, entered,
+        error, events, inner_id, memory, parent_id, resolved, span_id, spec, start_event, t0,
+        t1, thread_id, trace_id;
+} FullSlots;
+static FullSlots full_slots;
+static int full_bound;
+static PyObject *current_var;        /* perfsdk.context.CURRENT, or NULL (bind_region) */
+static PyObject *device_globals;     /* perfsdk._device's module dict */
+static PyObject *cuda_is_initialized; /* torch.cuda.is_initialized */
+static PyObject *cuda_globals;       /* torch.cuda's module dict */
+static PyObject *int_zero;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *spec;
+    PyObject *memory;     /* spec.memory */
+    PyObject *push;       /* spec.nvtx.domain.push_range, or None */
+    PyObject *attributes; /* spec.nvtx.attributes */
+    PyObject *domain;     /* spec.nvtx.domain, or None */
+    PyObject *nvtx_call;  /* spec.nvtx.call (an NvtxCall), or NULL */
+    int asynchronous;
+} RegionStartObject;
+
+/* 1: CUDA is initialized (or cannot tell), 0: not, -1: error. torch.cuda.is_initialized() is
+ * `_initialized and not _is_in_bad_fork()`: its module global read, false in the common case. */
+static int
+cuda_initialized(void)
+{
+    PyObject *fn, *value;
+    int truth;
+    if ((fn = global(device_globals, s__is_initialized)) == NULL) {
+        return -1;
+    }
+    if (fn == cuda_is_initialized) {
+        if ((value = global(cuda_globals, s__initialized)) == NULL) {
+            return -1;
+        }
+        return PyObject_IsTrue(value) != 0;
+    }
+    if ((value = PyObject_CallNoArgs(fn)) == NULL) {
+        return -1;
+    }
+    truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* 1: the entry takes the compiled path, 0: the Python one, -1: error. Sets *context (new
+ * reference) and *parent (borrowed from it) on 1. */
+static int
+rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObject **parent)
+{
+    PyObject *value, *key, *pipeline, *profiling;
+    int truth;
+    if (!full_bound || current_var == NULL || self->asynchronous) {
+        return 0;
+    }
+    if ((value = SLOT(state, state_slots.timing)) == NULL || (truth = PyObject_IsTrue(value)) <= 0) {
+        return value == NULL ? 0 : truth;
+    }
+    /* PIPELINE.started */
+    if ((pipeline = global(region_globals, s_PIPELINE)) == NULL
+        || (value = PyObject_GetAttr(pipeline, s_started)) == NULL) {
+        return -1;
+    }
+    truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (truth <= 0) {
+        return truth;
+    }
+    /* not _torch_profiler._is_profiler_enabled */
+    if ((profiling = global(region_globals, s__torch_profiler)) == NULL) {
+        return -1;
+    }
+    if (!PyModule_CheckExact(profiling)) {
+        return 0;
+    }
+    if ((profiling = global(PyModule_GetDict(profiling), s__is_profiler_enabled)) == NULL
+        || (truth = PyObject_IsTrue(profiling)) != 0) {
+        return profiling == NULL ? -1 : (truth < 0 ? -1 : 0);
+    }
+    /* not (memory or (memory is None and _state.memory)) */
+    value = self->memory == Py_None ? SLOT(state, state_slots.memory) : self->memory;
+    if (value == NULL || (truth = PyObject_IsTrue(value)) != 0) {
+        return value == NULL ? 0 : (truth < 0 ? -1 : 0);
+    }
+    if ((truth = cuda_initialized()) != 0) {
+        return truth < 0 ? -1 : 0;
+    }
+    /* the thread noted (`ident in _noted`) */
+    {
+        PyObject *noted = global(region_globals, s__noted), *ident;
+        if (noted == NULL) {
+            return -1;
+        }
+        if (!PySet_Check(noted)
+            || (ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL) {
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        truth = PySet_Contains(noted, ident);
+        Py_DECREF(ident);
+        if (truth <= 0) {
+            return truth;
+        }
+    }
+    /* the parent: the current span */
+    if ((key = global(region_globals, s__SPAN_KEY)) == NULL
+        || PyContextVar_Get(current_var, NULL, context) < 0) {
+        return -1;
+    }
+    if (*context == NULL) {
+        return 0;
+    }
+    if (key == Py_None) {
+        *parent = *context;
+    } else if (PyDict_CheckExact(*context) || Py_TYPE(*context) == context_type) {
+        if ((*parent = PyDict_GetItemWithError(*context, key)) == NULL) {
+            if (PyErr_Occurred()) {
+                Py_CLEAR(*context);
+                return -1;
+            }
+            *parent = Py_None;
+        }
+    } else {
+        Py_CLEAR(*context);
+        return 0;
+    }
+    if (*parent != Py_None && Py_TYPE(*parent) != region_slots.type) {
+        Py_CLEAR(*context); /* a span of the user's: the Python code asks it for its ids */
+        return 0;
+    }
+    return 1;
+}
+
+#define FSET(obj, field, value) (SLOT(obj, full_slots.field) = (value))
+
+static PyObject *
+rstart_call(RegionStartObject *self, PyObject *attributes)
+{
+    PyObject *state, *context = NULL, *parent = NULL, *region, *dom = Py_None, *fork, *fn;
+    PyObject *trace_id = NULL, *parent_id = NULL, *span_id = NULL, *token = NULL, *t0, *key;
+    PyObject *gen;
+    int fast, truth;
+    if ((state = global(region_globals, s__state)) == NULL) {
+        return NULL;
+    }
+    if (Py_TYPE(state) != state_slots.type) {
+        fast = 0;
+    } else if ((fast = rstart_fast(self, state, &context, &parent)) < 0) {
+        return NULL;
+    }
+    if ((fork = global(region_globals, s__FORK)) == NULL) {
+        Py_XDECREF(context);
+        return NULL;
+    }
+    if (fast && (Py_TYPE(fork) != fork_type || (gen = SLOT(fork, fork_generation)) == NULL)) {
+        Py_CLEAR(context);
+        fast = 0;
+    }
+    if (!fast) {
+        if ((fn = global(region_globals, s__start_python)) == NULL) {
+            return NULL;
+        }
+        return PyObject_CallFunctionObjArgs(fn, self->spec, attributes, NULL);
+    }
+    /* the NVTX range, when _state.nvtx and the spec has a domain */
+    if (self->push != Py_None) {
+        PyObject *value = SLOT(state, state_slots.nvtx);
+        if (value == NULL || (truth = PyObject_IsTrue(value)) < 0) {
+            if (value == NULL) {
+                PyErr_SetString(PyExc_AttributeError, "perfsdk: settings without nvtx");
+            }
+            Py_DECREF(context);
+            return NULL;
+        }
+        if (truth) {
+#ifdef PERFSDK_NVTX
+            if (self->nvtx_call != NULL) {
+                NvtxCallObject *call = (NvtxCallObject *)self->nvtx_call;
+                nvtxDomainRangePushEx(call->domain, &call->attributes);
+                dom = self->nvtx_call;
+            } else
+#endif
+            {
+                PyObject *pushed = PyObject_CallOneArg(self->push, self->attributes);
+                if (pushed == NULL) {
+                    Py_DECREF(context);
+                    return NULL;
+                }
+                Py_DECREF(pushed);
+                dom = self->domain;
+            }
+        }
+    }
+    if ((region = region_slots.type->tp_alloc(region_slots.type, 0)) == NULL) {
+        Py_DECREF(context);
+        return NULL;
+    }
+    FSET(region, spec, Py_NewRef(self->spec));
+    FSET(region, attributes, Py_NewRef(attributes));
+    FSET(region, events, Py_NewRef(Py_None));
+    FSET(region, start_event, Py_NewRef(Py_None));
+    FSET(region, end_event, Py_NewRef(Py_None));
+    FSET(region, device_ms, Py_NewRef(Py_None));
+    FSET(region, error, Py_NewRef(Py_None));
+    FSET(region, memory, Py_NewRef(Py_None));
+    FSET(region, resolved, Py_NewRef(Py_False));
+    FSET(region, entered, Py_NewRef(Py_True));
+    FSET(region, inner_id, Py_NewRef(int_zero));
+    FSET(region, t1, Py_NewRef(int_zero));
+    FSET(region, rf, Py_NewRef(Py_None));
+    FSET(region, mem, Py_NewRef(Py_None));
+    FSET(region, nvtx, Py_NewRef(dom));
+    FSET(region, timed, Py_NewRef(Py_True));
+    FSET(region, gen, Py_NewRef(gen));
+    /* ids: the parent's trace, else a new one */
+    if ((fn = global(region_globals, s__getrandbits)) == NULL) {
+        goto fail;
+    }
+    if (parent != Py_None) {
+        PyObject *inner = SLOT(parent, region_slots.inner_id);
+        trace_id = SLOT(parent, region_slots.trace_id);
+        parent_id = SLOT(parent, region_slots.span_id);
+        if (trace_id == NULL || parent_id == NULL || inner == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "perfsdk: the parent region is not entered");
+            goto fail;
+        }
+        if ((truth = PyObject_IsTrue(inner)) < 0) {
+            goto fail;
+        }
+        Py_INCREF(trace_id);
+        parent_id = Py_NewRef(truth ? inner : parent_id);
+    } else if ((trace_id = random_id(fn, 128)) == NULL) {
+        goto fail;
+    } else {
+        parent_id = Py_NewRef(int_zero);
+    }
+    FSET(region, trace_id, trace_id);
+    FSET(region, parent_id, parent_id);
+    if ((span_id = random_id(fn, 64)) == NULL) {
+        goto fail;
+    }
+    FSET(region, span_id, span_id);
+    if ((FSET(region, thread_id, PyLong_FromUnsignedLong(PyThread_get_thread_ident()))) == NULL) {
+        goto fail;
+    }
+    /* the current span: this region */
+    if ((key = global(region_globals, s__SPAN_KEY)) == NULL) {
+        goto fail;
+    }
+    if (key == Py_None) {
+        token = PyContextVar_Set(current_var, region);
+    } else {
+        PyObject *values = PyDict_Copy(context), *made;
+        if (values == NULL || PyDict_SetItem(values, key, region) < 0
+            || (fn = global(region_globals, s__Context)) == NULL) {
+            Py_XDECREF(values);
+            goto fail;
+        }
+        made = PyObject_CallOneArg(fn, values);
+        Py_DECREF(values);
+        if (made == NULL) {
+            goto fail;
+        }
+        token = PyContextVar_Set(current_var, made);
+        Py_DECREF(made);
+    }
+    if (token == NULL) {
+        goto fail;
+    }
+    FSET(region, token, token);
+    if ((fn = global(region_globals, s__perf_ns)) == NULL || (t0 = clock_read(fn)) == NULL) {
+        goto fail;
+    }
+    FSET(region, t0, t0);
+    Py_DECREF(context);
+    return region;
+fail:
+    Py_DECREF(context);
+    Py_DECREF(region);
+    return NULL;
+}
+
+static PyObject *
+rstart_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "RegionStart takes one argument (attributes)");
+        return NULL;
+    }
+    return rstart_call((RegionStartObject *)op, args[0]);
+}
+
+static PyObject *
+rstart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *spec, *nvtx = NULL, *value = NULL;
+    RegionStartObject *self;
+    int truth;
+    if (region_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: bind_inner() was not called");
+        return NULL;
+    }
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)
+        || !PyArg_ParseTuple(args, "O:RegionStart", &spec)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "RegionStart(spec) takes no keyword arguments");
+        }
+        return NULL;
+    }
+    if ((self = (RegionStartObject *)type->tp_alloc(type, 0)) == NULL) {
+        return NULL;
+    }
+    self->vectorcall = rstart_vectorcall;
+    self->spec = Py_NewRef(spec);
+    if ((self->memory = PyObject_GetAttr(spec, s_memory)) == NULL
+        || (nvtx = PyObject_GetAttr(spec, s_nvtx)) == NULL
+        || (self->domain = PyObject_GetAttr(nvtx, s_domain)) == NULL
+        || (self->attributes = PyObject_GetAttr(nvtx, s_attributes)) == NULL
+        || (value = PyObject_GetAttr(spec, s_asynchronous)) == NULL
+        || (truth = PyObject_IsTrue(value)) < 0) {
+        goto fail;
+    }
+    self->asynchronous = truth;
+    if (self->domain == Py_None || truth) {
+        self->push = Py_NewRef(Py_None);
+    } else if ((self->push = PyObject_GetAttr(self->domain, s_push_range)) == NULL) {
+        goto fail;
+    }
+#ifdef PERFSDK_NVTX
+    if (!truth) {
+        PyObject *call = PyObject_GetAttrString(nvtx, "call");
+        if (call == NULL) {
+            PyErr_Clear();
+        } else if (Py_TYPE(call) == &NvtxCallType) {
+            self->nvtx_call = call;
+        } else {
+            Py_DECREF(call);
+        }
+    }
+#endif
+    Py_DECREF(nvtx);
+    Py_DECREF(value);
+    return (PyObject *)self;
+fail:
+    Py_XDECREF(nvtx);
+    Py_XDECREF(value);
+    Py_DECREF(self);
+    return NULL;
+}
+
+static int
+rstart_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    RegionStartObject *self = (RegionStartObject *)op;
+    Py_VISIT(self->spec);
+    Py_VISIT(self->memory);
+    Py_VISIT(self->push);
+    Py_VISIT(self->attributes);
+    Py_VISIT(self->domain);
+    Py_VISIT(self->nvtx_call);
+    return 0;
+}
+
+static int
+rstart_clear(PyObject *op)
+{
+    RegionStartObject *self = (RegionStartObject *)op;
+    Py_CLEAR(self->spec);
+    Py_CLEAR(self->memory);
+    Py_CLEAR(self->push);
+    Py_CLEAR(self->attributes);
+    Py_CLEAR(self->domain);
+    Py_CLEAR(self->nvtx_call);
+    return 0;
+}
+
+static void
+rstart_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    rstart_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyObject *
+rstart_repr(PyObject *op)
+{
+    return PyUnicode_FromFormat("<perfsdk._fastpath.RegionStart %R>",
+                                ((RegionStartObject *)op)->spec);
+}
+
+static PyTypeObject RegionStartType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.RegionStart",
+    .tp_doc = "RegionStart(spec): start(attributes) is perfsdk.region._start_python(spec, "
+              "attributes), compiled (after bind_inner and bind_region).",
+    .tp_basicsize = sizeof(RegionStartObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(RegionStartObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = rstart_new,
+    .tp_dealloc = rstart_dealloc,
+    .tp_traverse = rstart_traverse,
+    .tp_clear = rstart_clear,
+    .tp_repr = rstart_repr,
+};
+
+/* region_exit(region, error, t1): region.exit(error, t1); compiled for an entry that
+ * RegionStart's fast path could have made, ending without an error. */
+static PyObject *
+fastpath_region_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *region, *error, *t1, *value, *dom, *token, *record, *spec, *index, *fn;
+    PyObject *fork;
+    int truth, i;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "region_exit(region, error, t1) takes 3 arguments");
+        return NULL;
+    }
+    region = args[0];
+    error = args[1];
+    t1 = args[2];
+    if (!full_bound || current_var == NULL || Py_TYPE(region) != region_slots.type
+        || error != Py_None || SLOT(region, full_slots.timed) != Py_True
+        || SLOT(region, full_slots.start_event) != Py_None
+        || SLOT(region, full_slots.mem) != Py_None || SLOT(region, full_slots.rf) != Py_None
+        || (token = SLOT(region, full_slots.token)) == NULL || token == Py_None
+        || (dom = SLOT(region, full_slots.nvtx)) == NULL
+        || (spec = SLOT(region, full_slots.spec)) == NULL
+        || SLOT(region, full_slots.t0) == NULL || SLOT(region, full_slots.trace_id) == NULL
+        || SLOT(region, full_slots.span_id) == NULL
+        || SLOT(region, full_slots.parent_id) == NULL
+        || SLOT(region, full_slots.thread_id) == NULL
+        || SLOT(region, full_slots.attributes) == NULL
+        || SLOT(region, full_slots.events) == NULL
+#ifdef PERFSDK_NVTX
+        || (dom != Py_None && Py_TYPE(dom) != &NvtxCallType)
+#else
+        || dom != Py_None
+#endif
+        ) {
+        goto python;
+    }
+    if ((fork = global(region_globals, s__FORK)) == NULL) {
+        return NULL;
+    }
+    if (Py_TYPE(fork) != fork_type || (value = SLOT(region, full_slots.gen)) == NULL
+        || SLOT(fork, fork_generation) == NULL) {
+        goto python;
+    }
+    if ((truth = PyObject_RichCompareBool(value, SLOT(fork, fork_generation), Py_EQ)) <= 0) {
+        if (truth < 0) {
+            return NULL;
+        }
+        goto python;
+    }
+    if ((index = PyObject_GetAttr(spec, s_index)) == NULL) {
+        return NULL;
+    }
+    /* if not t1: t1 = _perf_ns() */
+    if ((truth = PyObject_IsTrue(t1)) < 0) {
+        Py_DECREF(index);
+        return NULL;
+    }
+    if (truth) {
+        Py_INCREF(t1);
+    } else if ((fn = global(region_globals, s__perf_ns)) == NULL || (t1 = clock_read(fn)) == NULL) {
+        Py_DECREF(index);
+        return NULL;
+    }
+    Py_XSETREF(SLOT(region, full_slots.t1), Py_NewRef(t1));
+    Py_XSETREF(SLOT(region, full_slots.resolved), Py_NewRef(Py_True));
+    /* the current context back; the token dropped (fewer live objects) */
+    SLOT(region, full_slots.token) = Py_NewRef(Py_None); /* ours now: `token` */
+    if (PyContextVar_Reset(current_var, token) < 0) { /* a token of another context */
+        PyErr_Clear();
+        if ((fn = global(region_globals, s__detach)) == NULL
+            || (value = PyObject_CallOneArg(fn, token)) == NULL) {
+            PyErr_Clear(); /* as the Python exit, which records the region all the same */
+        } else {
+            Py_DECREF(value);
+        }
+    }
+    Py_DECREF(token);
+#ifdef PERFSDK_NVTX
+    if (dom != Py_None) {
+        nvtxDomainRangePop(((NvtxCallObject *)dom)->domain);
+    }
+#endif
+    if ((record = PyTuple_New(15)) == NULL) {
+        Py_DECREF(index);
+        Py_DECREF(t1);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(record, 0, index);
+    PyTuple_SET_ITEM(record, 1, Py_NewRef(SLOT(region, full_slots.trace_id)));
+    PyTuple_SET_ITEM(record, 2, Py_NewRef(SLOT(region, full_slots.span_id)));
+    PyTuple_SET_ITEM(record, 3, Py_NewRef(SLOT(region, full_slots.parent_id)));
+    PyTuple_SET_ITEM(record, 4, Py_NewRef(SLOT(region, full_slots.t0)));
+    PyTuple_SET_ITEM(record, 5, t1);
+    PyTuple_SET_ITEM(record, 6, Py_NewRef(SLOT(region, full_slots.thread_id)));
+    PyTuple_SET_ITEM(record, 7, Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(record, 8, Py_NewRef(SLOT(region, full_slots.attributes)));
+    PyTuple_SET_ITEM(record, 9, Py_NewRef(SLOT(region, full_slots.events)));
+    for (i = 10; i < 15; i++) {
+        PyTuple_SET_ITEM(record, i, Py_NewRef(Py_None));
+    }
+    truth = enqueue_record(record);
+    Py_DECREF(record);
+    if (truth < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+python:
+    return PyObject_CallMethodObjArgs(region, s_exit, error, t1, NULL);
+}
+
+/* bind_region(CURRENT or None, perfsdk._device's globals, torch.cuda): for RegionStart and
+ * region_exit (after bind_inner). */
+static PyObject *
+fastpath_bind_region(PyObject *module, PyObject *args)
+{
+    PyObject *current, *device, *cuda, *is_init;
+    FullSlots fs;
+    PyTypeObject *type = region_slots.type;
+    if (!PyArg_ParseTuple(args, "OO!O!:bind_region", &current, &PyDict_Type, &device,
+                          &PyModule_Type, &cuda)) {
+        return NULL;
+    }
+    if (type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_region: bind_inner() was not called");
+        return NULL;
+    }
+    if (current != Py_None && !PyContextVar_CheckExact(current)) {
+        PyErr_SetString(PyExc_TypeError, "bind_region: CURRENT must be a ContextVar or None");
+        return NULL;
+    }
+#define OFFSET(name, text) if ((fs.name = slot_offset(type, text)) < 0) return NULL;
+    OFFSET(attributes, "_attributes") OFFSET(gen, "_gen") OFFSET(mem, "_mem")
+    OFFSET(nvtx, "_nvtx") OFFSET(rf, "_rf") OFFSET(timed, "_timed") OFFSET(token, "_token")
+    OFFSET(device_ms, "device_ms") OFFSET(end_event, "end_event") OFFSET(entered, "entered")
+    OFFSET(error, "error") OFFSET(events, "events") OFFSET(inner_id, "inner_id")
+    OFFSET(memory, "memory") OFFSET(parent_id, "parent_id") OFFSET(resolved, "resolved")
+    OFFSET(span_id, "span_id") OFFSET(spec, "spec") OFFSET(start_event, "start_event")
+    OFFSET(t0, "t0") OFFSET(t1, "t1") OFFSET(thread_id, "thread_id")
+    OFFSET(trace_id, "trace_id")
+#undef OFFSET
+    if ((is_init = PyObject_GetAttrString(cuda, "is_initialized")) == NULL) {
+        return NULL;
+    }
+    if (int_zero == NULL && (int_zero = PyLong_FromLong(0)) == NULL) {
+        Py_DECREF(is_init);
+        return NULL;
+    }
+    full_slots = fs;
+    Py_XSETREF(current_var, current == Py_None ? NULL : Py_NewRef(current));
+    Py_XSETREF(device_globals, Py_NewRef(device));
+    Py_XSETREF(cuda_is_initialized, is_init);
+    Py_XSETREF(cuda_globals, Py_NewRef(PyModule_GetDict(cuda)));
+    full_bound = 1;
+    Py_RETURN_NONE;
 }
 
 /* NodeHook(seq, entries): the backward pre-hook of one hooked node (perfsdk/auto/backward.py,
@@ -1995,6 +2576,10 @@ static PyTypeObject RssPeakType = {
 static PyMethodDef fastpath_methods[] = {
     {"maxrss", fastpath_maxrss, METH_NOARGS,
      "maxrss() -> int: the process's peak resident set size in bytes (ru_maxrss)."},
+    {"region_exit", (PyCFunction)(void (*)(void))fastpath_region_exit, METH_FASTCALL,
+     "region_exit(region, error, t1): region.exit(error, t1), its common case compiled."},
+    {"bind_region", fastpath_bind_region, METH_VARARGS,
+     "bind_region(CURRENT, perfsdk._device's globals, torch.cuda): for RegionStart."},
     {"new_id", fastpath_new_id, METH_O,
      "new_id(bits) -> int: the next span (64) or trace (128) id of the compiled generator."},
     {"bind_inner", fastpath_bind_inner, METH_VARARGS,
@@ -2033,7 +2618,7 @@ PyInit__fastpath(void)
     if (intern_names() < 0 || (int_64 = PyLong_FromLong(64)) == NULL
         || (int_done = PyLong_FromLong(-2)) == NULL || PyType_Ready(&NodeHookType) < 0
         || PyType_Ready(&InnerGateType) < 0 || PyType_Ready(&RssPeakType) < 0
-        || PyType_Ready(&ModuleCallType) < 0) {
+        || PyType_Ready(&ModuleCallType) < 0 || PyType_Ready(&RegionStartType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
@@ -2058,6 +2643,12 @@ PyInit__fastpath(void)
     Py_INCREF(&ModuleCallType);
     if (PyModule_AddObject(module, "ModuleCall", (PyObject *)&ModuleCallType) < 0) {
         Py_DECREF(&ModuleCallType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&RegionStartType);
+    if (PyModule_AddObject(module, "RegionStart", (PyObject *)&RegionStartType) < 0) {
+        Py_DECREF(&RegionStartType);
         Py_DECREF(module);
         return NULL;
     }

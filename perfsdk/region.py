@@ -39,6 +39,7 @@ null region is for those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -795,6 +796,32 @@ spec's fixed fields read once and the Region's and settings' slots read directly
 is off its fast path (sampling, no owner to ride on) it hands to :meth:`RegionSpec.open_inner`.
 There :meth:`InnerRegion.exit` is compiled too."""
 
+def _start_python(spec: RegionSpec, attributes: dict[str, Any] | None) -> Region:
+    """A fresh Region of ``spec``, entered: the gate's per-entry work (:meth:`Region._start`)."""
+    return _alloc(Region)._start(spec, attributes)
+
+
+def _starter_python(spec: RegionSpec) -> Callable[[dict[str, Any] | None], Region]:
+    return functools.partial(_start_python, spec)
+
+
+def _exit_python(region: Region, error: BaseException | None, t1: int) -> None:
+    region.exit(error, t1)
+
+
+region_starter: Callable[[RegionSpec], Callable[[dict[str, Any] | None], Region]] = (
+    _starter_python)
+"""``region_starter(spec)(attributes)`` is a fresh :class:`Region` of ``spec``, entered, and
+``exit_region(region, error, t1)`` is ``region.exit(error, t1)``: for the steps of
+:mod:`perfsdk.auto`, the first Python work after a training step's torch calls, where every
+Python frame and call costs several microseconds (the caches hold torch's data). Where
+perfsdk's compiled module is built they are ``perfsdk._fastpath.RegionStart`` and
+``region_exit``: the common case (an entry on the host, timing on, no profiler, no memory
+readings, a push/pop NVTX range, the parent a Region or nothing) without a Python frame, the
+clock read and the ids drawn without a call, the NVTX range pushed through the marker's
+compiled range; anything else is handed to the Python code before anything is done."""
+exit_region: Callable[[Region, BaseException | None, int], None] = _exit_python
+
 exit_inner_python = InnerRegion.exit
 """The pure-Python :meth:`InnerRegion.exit` (the compiled one replaces it on the class)."""
 
@@ -813,3 +840,12 @@ if _fastpath is not None and hasattr(_fastpath, "InnerGate"):
                   "using the pure-Python path")
     else:
         inner_gate = _fastpath.InnerGate
+        if hasattr(_fastpath, "RegionStart"):
+            try:
+                _fastpath.bind_region(_ctx.CURRENT, vars(_device), torch.cuda)
+            except Exception as exc:  # never break the import
+                warn_once("fastpath-region", f"perfsdk: compiled step regions are off "
+                          f"({exc!r}); using the pure-Python path")
+            else:
+                region_starter = _fastpath.RegionStart
+                exit_region = _fastpath.region_exit

@@ -142,8 +142,17 @@ def _step_spec() -> RegionSpec:
     return _STEP_SPEC
 
 
+def _step_start() -> Callable[[dict[str, Any] | None], Region]:
+    """What enters a step's region (``_region.region_starter``, compiled where built), made at
+    the first step (then read from ``_STEP_START``)."""
+    global _STEP_START
+    if _STEP_START is None:
+        _STEP_START = _region.region_starter(_step_spec())
+    return _STEP_START
+
+
 _STEP_SPEC: RegionSpec | None = None
-_alloc = object.__new__  # a Region without its __init__ (the gate's way: _start sets every field)
+_STEP_START: Callable[[dict[str, Any] | None], Region] | None = None
 
 
 class Step:
@@ -266,7 +275,7 @@ class Steps:
                     attrs["perfsdk.amp"] = amp
             run = run_id()  # before the step's clock starts: the first call may ask the store
             # The gate, written out: enabled (tested above) and every=1 (steps are not sampled).
-            region = _alloc(Region)._start(_STEP_SPEC or _step_spec(), attrs)
+            region = (_STEP_START or _step_start())(attrs)
             if region.t0 and not region.parent_id:  # a root step: the run's trace for it
                 shared = step_trace_id(index, run) if run else None
                 if shared is not None:
@@ -301,7 +310,7 @@ class Steps:
                 rss = current_rss()
                 if rss is not None:
                     region.set_attribute("perfsdk.memory.rss_bytes", rss)
-            region.exit(error, t1)
+            _region.exit_region(region, error, t1)
         if self._paused:
             self._pause(False)
         if self.listeners:

@@ -17,11 +17,31 @@ from torch import nn
 
 import perfsdk
 import perfsdk.auto as auto
+from perfsdk import region as _region
+from perfsdk.auto import steps as _steps
 from perfsdk.config import state
 from perfsdk.context import current_span
 from perfsdk.errors import NoEffectWarning
 from perfsdk.region import Region
 from perfsdk.testing import capture, use_fake_clock
+
+
+_COMPILED = (_region._fastpath is not None
+             and _region.region_starter is getattr(_region._fastpath, "RegionStart", None))
+
+
+@pytest.fixture(autouse=True, params=[
+    pytest.param("compiled", marks=pytest.mark.skipif(
+        not _COMPILED, reason="perfsdk._fastpath is not built (or PERFSDK_DISABLE_EXTENSIONS)")),
+    "python"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A step's region entered and left compiled (as perfsdk chose at import) or by the
+    pure-Python twins."""
+    monkeypatch.setattr(_steps, "_STEP_START", None)  # made again at the next step
+    if request.param == "python":
+        monkeypatch.setattr(_region, "region_starter", _region._starter_python)
+        monkeypatch.setattr(_region, "exit_region", _region._exit_python)
+    return str(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,10 @@ import warnings
 from typing import Any
 
 import pytest
+import torch
 
 import perfsdk
+import perfsdk.auto
 from perfsdk import markers, region
 from perfsdk.config import extensions_enabled
 from perfsdk.region import RegionSpec
@@ -456,3 +458,107 @@ def test_a_forked_child_draws_other_compiled_ids() -> None:
     parent = [_fastpath.new_id(64), _fastpath.new_id(64)]
     assert len(child) == 2
     assert not set(child) & set(parent)
+
+
+# -- a step's region (RegionStart, region_exit) ------------------------------------------------
+needs_region = pytest.mark.skipif(
+    _fastpath is None or not hasattr(_fastpath, "RegionStart")
+    or region.region_starter is not _fastpath.RegionStart,
+    reason="perfsdk._fastpath is not built (or PERFSDK_DISABLE_EXTENSIONS)")
+
+
+def _count_python_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the regions that the compiled start handed to the Python code."""
+    handed: list[str] = []
+    python_start = region._start_python
+
+    def counting(spec: RegionSpec, attributes: Any) -> Any:
+        handed.append(spec.name)
+        return python_start(spec, attributes)
+
+    monkeypatch.setattr(region, "_start_python", counting)
+    return handed
+
+
+def _steps_run(clock: FakeClock) -> None:
+    with perfsdk.step(samples=4):
+        clock.advance(1)
+        with perfsdk.timed_region("inside"):
+            clock.advance(2)
+        with perfsdk.phase("fast.phase"):
+            clock.advance(1)
+    with perfsdk.timed_region("outer"), perfsdk.step(samples=2):  # a Region as the parent
+        clock.advance(3)
+    with perfsdk.step(), perfsdk.phase("fast.phase"):
+        clock.advance(1)
+    perfsdk.auto.end_step()
+
+
+@needs_region
+def test_compiled_step_regions_record_what_the_python_twin_records(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same ids (a seeded generator swapped in), parents, times, attributes, compiled and in
+    Python; the compiled runs take no Python start."""
+    from perfsdk.auto import steps
+
+    with perfsdk.step():  # the pipeline started, this thread noted
+        pass
+    perfsdk.auto.end_step()
+    handed = _count_python_starts(monkeypatch)
+    runs = []
+    for compiled in (True, False):
+        monkeypatch.setattr(steps, "_STEP_START", None)
+        if not compiled:
+            monkeypatch.setattr(region, "region_starter", region._starter_python)
+            monkeypatch.setattr(region, "exit_region", region._exit_python)
+        monkeypatch.setattr(region, "_getrandbits", random.Random(99).getrandbits)
+        perfsdk.auto.set_schedule(None)  # step indices from 0
+        with use_fake_clock() as clock, capture() as cap:
+            _steps_run(clock)
+            perfsdk.flush()
+        t0 = min(r.start_ns for r in cap.regions)
+        runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
+                            r.end_ns - t0, sorted(r.attributes.items()), r.error)
+                           for r in cap.regions))
+        if compiled:
+            assert handed == []
+    compiled_run, python_run = runs
+    assert compiled_run == python_run
+    assert [r[0] for r in compiled_run].count("step") == 3
+
+
+@needs_region
+def test_compiled_step_region_hands_what_is_off_its_fast_path_to_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's span as the parent, memory readings, the torch profiler, an error at exit: the
+    Python code, the same records as ever."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    with perfsdk.step():
+        pass
+    perfsdk.auto.end_step()
+    handed = _count_python_starts(monkeypatch)
+    tracer = TracerProvider().get_tracer("user")  # a private provider: nothing global changes
+    with capture() as cap:
+        with tracer.start_as_current_span("user") as user, perfsdk.step():
+            pass
+        perfsdk.configure(memory=True)
+        try:
+            with perfsdk.step():
+                pass
+        finally:
+            perfsdk.configure(memory=False)
+        with torch.profiler.profile() as prof, perfsdk.step():
+            pass
+        with pytest.raises(KeyError), perfsdk.step():
+            raise KeyError("k")
+        perfsdk.auto.end_step()
+        perfsdk.flush()
+    assert handed == ["step", "step", "step"]  # the error is the exit's: a compiled start
+    steps = cap.named("step")
+    assert steps[0].parent_span_id == user.get_span_context().span_id
+    assert steps[1].memory is not None and "perfsdk.memory.rss_peak_bytes" in steps[1].memory
+    assert "step" in {e.name for e in prof.events()}
+    assert type(steps[3].error) is KeyError
+    assert [s.attributes["perfsdk.step"] for s in steps] == sorted(
+        s.attributes["perfsdk.step"] for s in steps)

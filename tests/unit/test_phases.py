@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import perfsdk
 import perfsdk.phases as _phases
+from perfsdk.auto import steps as _steps
 from perfsdk import phase
 from perfsdk import region as _region
 from perfsdk.region import InnerRegion, Region
@@ -31,9 +32,12 @@ _COMPILED = (_region._fastpath is not None
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Inner entries compiled (as perfsdk chose at import) or the pure-Python twins (a phase
     takes its gate when it is made: after this)."""
+    monkeypatch.setattr(_steps, "_STEP_START", None)  # made again at the next step
     if request.param == "python":
         monkeypatch.setattr(_region, "inner_gate", _region._inner_gate_python)
         monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
+        monkeypatch.setattr(_region, "region_starter", _region._starter_python)
+        monkeypatch.setattr(_region, "exit_region", _region._exit_python)
     return str(request.param)
 
 
