@@ -25,7 +25,6 @@ from perfsdk.errors import NoEffectWarning
 from perfsdk.region import Region
 from perfsdk.testing import capture, use_fake_clock
 
-
 _COMPILED = (_region._fastpath is not None
              and _region.region_starter is getattr(_region._fastpath, "RegionStart", None))
 

@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import perfsdk
 import perfsdk.phases as _phases
-from perfsdk.auto import steps as _steps
 from perfsdk import phase
 from perfsdk import region as _region
+from perfsdk.auto import steps as _steps
 from perfsdk.region import InnerRegion, Region
 from perfsdk.testing import capture
 
