@@ -241,3 +241,8 @@ def _bind() -> None:
 
 _is_initialized: Any = torch.cuda.is_initialized
 on_change(_bind)
+
+TORCH_CUDA: Any = torch.cuda
+"""``torch.cuda`` itself, for the compiled hot path (``perfsdk._fastpath.bind_region``): while
+``_is_initialized`` is ``torch.cuda.is_initialized`` it reads that module's ``_initialized``
+flag instead of calling it."""

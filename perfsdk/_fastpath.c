@@ -30,6 +30,16 @@
  * - ModuleCall(probe, inner) (perfsdk/auto/module.py: _wrapped_forward): the body of an
  *   instrumented module's forward wrapper; the Python wrapper keeps the torch.compile check
  *   and calls it.
+ * - RegionStart(spec) and region_exit (perfsdk/region.py: region_starter, exit_region):
+ *   Region._start and Region.exit for an entry on the host, which the steps of perfsdk.auto
+ *   use: the first Python work after a training step's torch calls, where every call and
+ *   object touched costs microseconds (torch's data fill the caches).
+ *
+ * On these paths the host clock is read with clock_gettime while region's _perf_ns is
+ * time.perf_counter_ns, span and trace ids come from a generator of this module's own while
+ * region's _getrandbits is the one bound (see random_id), and a push/pop NVTX range is pushed
+ * through its marker's NvtxCall: no Python call for any of them. What a test swaps in (a fake
+ * clock, a seeded generator) is called as before.
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
@@ -247,6 +257,7 @@ static Py_ssize_t fork_generation;
 static PyObject *int_64, *int_done;
 static PyObject *perf_counter_ns; /* time.perf_counter_ns (bind_inner) */
 static PyObject *ids_getrandbits; /* perfsdk.region._getrandbits as bound (bind_inner) */
+static PyObject *inner_exit_descr; /* the compiled InnerRegion.exit (bind_inner) */
 
 /* The host clock a region reads (new reference): region's _perf_ns, read without calling it
  * while it is time.perf_counter_ns (CLOCK_MONOTONIC on Linux: the same reading); what a test
@@ -997,8 +1008,177 @@ fastpath_bind_inner(PyObject *module, PyObject *args)
         }
         Py_XSETREF(ids_getrandbits, Py_NewRef(bits));
     }
-    return PyDescr_NewMethod(inner_type, &inner_exit_def);
+    Py_XSETREF(inner_exit_descr, PyDescr_NewMethod(inner_type, &inner_exit_def));
+    return Py_XNewRef(inner_exit_descr);
 }
+
+/* ---- a phase's with block: PhaseEnter and PhaseExit ------------------------------------
+ *
+ * perfsdk.phases.phase: __enter__ and __exit__ keep the torch.compile check in Python and
+ * call these for the rest: PhaseEnter(gate, active)() is active.append(gate()), and
+ * PhaseExit(active, many)(error) ends this thread's entry: the only one (the usual case) is
+ * popped and exited here; several open at once (one phase object in several threads) are
+ * many(active, error)'s, in Python; none (entered while torch.compile traced) is nothing. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *gate;
+    PyObject *active; /* a list */
+    PyObject *many;
+} PhaseCallObject;
+
+static PyObject *
+phase_enter_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PhaseCallObject *self = (PhaseCallObject *)op;
+    PyObject *entry;
+    int failed;
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "PhaseEnter takes no arguments");
+        return NULL;
+    }
+    entry = Py_TYPE(self->gate) == &InnerGateType ? gate_open((InnerGateObject *)self->gate)
+                                                  : PyObject_CallNoArgs(self->gate);
+    if (entry == NULL) {
+        return NULL;
+    }
+    failed = PyList_Append(self->active, entry);
+    Py_DECREF(entry);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+phase_exit_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PhaseCallObject *self = (PhaseCallObject *)op;
+    PyObject *entry, *error, *res;
+    Py_ssize_t n;
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "PhaseExit takes one argument (error)");
+        return NULL;
+    }
+    error = args[0];
+    n = PyList_GET_SIZE(self->active);
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    if (n > 1) {
+        return PyObject_CallFunctionObjArgs(self->many, self->active, error, NULL);
+    }
+    entry = Py_NewRef(PyList_GET_ITEM(self->active, 0));
+    if (PyList_SetSlice(self->active, 0, 1, NULL) < 0) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    if (Py_TYPE(entry) == inner_type && _PyType_Lookup(inner_type, s_exit) == inner_exit_descr) {
+        res = inner_exit(entry, &error, 1, NULL);
+    } else {
+        res = PyObject_CallMethodOneArg(entry, s_exit, error);
+    }
+    Py_DECREF(entry);
+    return res;
+}
+
+static PyObject *
+phase_call_new(PyTypeObject *type, PyObject *args, PyObject *kwargs, int enter)
+{
+    PyObject *first, *second;
+    PhaseCallObject *self;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)
+        || !PyArg_ParseTuple(args, enter ? "OO!:PhaseEnter" : "O!O:PhaseExit",
+                             enter ? (void *)&first : (void *)&PyList_Type,
+                             enter ? (void *)&PyList_Type : (void *)&first,
+                             enter ? (void *)&second : (void *)&second)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "takes no keyword arguments");
+        }
+        return NULL;
+    }
+    if ((self = (PhaseCallObject *)type->tp_alloc(type, 0)) == NULL) {
+        return NULL;
+    }
+    if (enter) {
+        self->vectorcall = phase_enter_vectorcall;
+        self->gate = Py_NewRef(first);
+        self->active = Py_NewRef(second);
+    } else {
+        self->vectorcall = phase_exit_vectorcall;
+        self->active = Py_NewRef(first);
+        self->many = Py_NewRef(second);
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *
+phase_enter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    return phase_call_new(type, args, kwargs, 1);
+}
+
+static PyObject *
+phase_exit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    return phase_call_new(type, args, kwargs, 0);
+}
+
+static int
+phase_call_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    PhaseCallObject *self = (PhaseCallObject *)op;
+    Py_VISIT(self->gate);
+    Py_VISIT(self->active);
+    Py_VISIT(self->many);
+    return 0;
+}
+
+static int
+phase_call_clear(PyObject *op)
+{
+    PhaseCallObject *self = (PhaseCallObject *)op;
+    Py_CLEAR(self->gate);
+    Py_CLEAR(self->active);
+    Py_CLEAR(self->many);
+    return 0;
+}
+
+static void
+phase_call_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    phase_call_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyTypeObject PhaseEnterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.PhaseEnter",
+    .tp_doc = "PhaseEnter(gate, active)(): active.append(gate()), compiled.",
+    .tp_basicsize = sizeof(PhaseCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(PhaseCallObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = phase_enter_new,
+    .tp_dealloc = phase_call_dealloc,
+    .tp_traverse = phase_call_traverse,
+    .tp_clear = phase_call_clear,
+};
+
+static PyTypeObject PhaseExitType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.PhaseExit",
+    .tp_doc = "PhaseExit(active, many)(error): end this thread's entry of a phase, compiled.",
+    .tp_basicsize = sizeof(PhaseCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(PhaseCallObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = phase_exit_new,
+    .tp_dealloc = phase_call_dealloc,
+    .tp_traverse = phase_call_traverse,
+    .tp_clear = phase_call_clear,
+};
 
 /* ---- a step's region: Region._start and Region.exit, their common case compiled ----------
  *
@@ -2618,7 +2798,8 @@ PyInit__fastpath(void)
     if (intern_names() < 0 || (int_64 = PyLong_FromLong(64)) == NULL
         || (int_done = PyLong_FromLong(-2)) == NULL || PyType_Ready(&NodeHookType) < 0
         || PyType_Ready(&InnerGateType) < 0 || PyType_Ready(&RssPeakType) < 0
-        || PyType_Ready(&ModuleCallType) < 0 || PyType_Ready(&RegionStartType) < 0) {
+        || PyType_Ready(&ModuleCallType) < 0 || PyType_Ready(&RegionStartType) < 0
+        || PyType_Ready(&PhaseEnterType) < 0 || PyType_Ready(&PhaseExitType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
@@ -2643,6 +2824,18 @@ PyInit__fastpath(void)
     Py_INCREF(&ModuleCallType);
     if (PyModule_AddObject(module, "ModuleCall", (PyObject *)&ModuleCallType) < 0) {
         Py_DECREF(&ModuleCallType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&PhaseEnterType);
+    if (PyModule_AddObject(module, "PhaseEnter", (PyObject *)&PhaseEnterType) < 0) {
+        Py_DECREF(&PhaseEnterType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&PhaseExitType);
+    if (PyModule_AddObject(module, "PhaseExit", (PyObject *)&PhaseExitType) < 0) {
+        Py_DECREF(&PhaseExitType);
         Py_DECREF(module);
         return NULL;
     }

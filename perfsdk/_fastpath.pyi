@@ -75,3 +75,19 @@ class ModuleCall:
     def __init__(self, probe: Any, inner: Callable[..., Any] | None, /) -> None: ...
     def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
                  /) -> Any: ...
+
+def bind_region(current: Any, device_globals: dict[str, Any], cuda: Any, /) -> None:
+    """Hand ``perfsdk.context.CURRENT`` (or None), ``perfsdk._device``'s globals and
+    ``torch.cuda`` over, for :class:`RegionStart` and :func:`region_exit` (after
+    :func:`bind_inner`)."""
+
+class RegionStart:
+    """``RegionStart(spec)(attributes)`` is ``perfsdk.region._start_python(spec, attributes)``:
+    a fresh Region, entered; compiled for an entry on the host (after :func:`bind_region`)."""
+
+    def __init__(self, spec: Any, /) -> None: ...
+    def __call__(self, attributes: dict[str, Any] | None, /) -> Any: ...
+
+def region_exit(region: Any, error: BaseException | None, t1: int, /) -> None:
+    """``region.exit(error, t1)``, compiled for what :class:`RegionStart` enters on its fast
+    path, ending without an error."""

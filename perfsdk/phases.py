@@ -58,7 +58,7 @@ class phase:
         [('forward', True)]
     """
 
-    __slots__ = ("__weakref__", "_active", "_args", "open", "spec")
+    __slots__ = ("__weakref__", "_active", "_args", "_enter", "_exit", "open", "spec")
 
     def __init__(
         self,
@@ -76,6 +76,15 @@ class phase:
         # open(): the gate of RegionSpec.open_inner (compiled where perfsdk._fastpath is)
         self.open: Callable[[], _Entry] = _region.inner_gate(self.spec)
         self._active: list[_Entry] = []
+        # The with block's work past the torch.compile check, compiled where the gate is
+        # (one call each way, without a frame); else None: the methods below do it.
+        self._enter: Callable[[], None] | None = None
+        self._exit: Callable[[BaseException | None], None] | None = None
+        fast = _region.compiled_module()
+        if fast is not None and hasattr(fast, "PhaseExit") and type(self.open) is getattr(
+                fast, "InnerGate", None):
+            self._enter = fast.PhaseEnter(self.open, self._active)
+            self._exit = fast.PhaseExit(self._active, _exit_many)
         with _named_lock:
             named = _NAMED.get(name)
             if named is None:
@@ -88,18 +97,27 @@ class phase:
 
     def __enter__(self) -> None:
         if not _is_compiling():
-            self._active.append(self.open())
+            enter = self._enter
+            if enter is not None:
+                enter()
+            else:
+                self._active.append(self.open())
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if _is_compiling():
+            return
+        leave = self._exit
+        if leave is not None:
+            leave(exc)
             return
         active = self._active
         n = len(active)
         if n == 1:  # the usual case
             entry = active.pop()
         elif n:  # one phase object open in several threads at once: this thread's entry
-            entry = active.pop(_this_threads(active))
+            _exit_many(active, exc)
+            return
         else:  # entered while torch.compile traced it: no entry
             return
         entry.exit(exc)
@@ -156,6 +174,11 @@ def _spec(name: str, domain: str, color: str | int | None, category: str | None,
           memory: bool | None, items: tuple[tuple[str, Any], ...]) -> RegionSpec:
     return RegionSpec.create(name, domain=domain, color=color, category=category,
                              attributes=dict(items) or None, memory=memory, where="phase")
+
+
+def _exit_many(active: list[_Entry], error: BaseException | None) -> None:
+    """One phase object open in several threads at once: end this thread's entry."""
+    active.pop(_this_threads(active)).exit(error)
 
 
 def _this_threads(active: list[_Entry]) -> int:

@@ -822,6 +822,12 @@ clock read and the ids drawn without a call, the NVTX range pushed through the m
 compiled range; anything else is handed to the Python code before anything is done."""
 exit_region: Callable[[Region, BaseException | None, int], None] = _exit_python
 
+def compiled_module() -> Any:
+    """perfsdk's compiled module when its region paths are bound (``inner_gate`` is its
+    ``InnerGate``), else None."""
+    return _fastpath if inner_gate is not _inner_gate_python else None
+
+
 exit_inner_python = InnerRegion.exit
 """The pure-Python :meth:`InnerRegion.exit` (the compiled one replaces it on the class)."""
 
@@ -842,7 +848,7 @@ if _fastpath is not None and hasattr(_fastpath, "InnerGate"):
         inner_gate = _fastpath.InnerGate
         if hasattr(_fastpath, "RegionStart"):
             try:
-                _fastpath.bind_region(_ctx.CURRENT, vars(_device), torch.cuda)
+                _fastpath.bind_region(_ctx.CURRENT, vars(_device), _device.TORCH_CUDA)
             except Exception as exc:  # never break the import
                 warn_once("fastpath-region", f"perfsdk: compiled step regions are off "
                           f"({exc!r}); using the pure-Python path")

@@ -151,6 +151,7 @@ def _step_start() -> Callable[[dict[str, Any] | None], Region]:
     return _STEP_START
 
 
+_new_step = object.__new__
 _STEP_SPEC: RegionSpec | None = None
 _STEP_START: Callable[[dict[str, Any] | None], Region] | None = None
 
@@ -258,7 +259,13 @@ class Steps:
         self.next_index = index + 1
         sched = self.schedule
         phase = "active" if sched is None else sched.phase(index)
-        step = Step(self, index, samples, phase, flops)
+        step = _new_step(Step)  # Step(self, index, samples, phase, flops), written out: the
+        step._steps = self  # first Python work after the last step's torch calls, where a
+        step.index = index  # frame costs microseconds
+        step.samples = samples
+        step.flops = flops
+        step.phase = phase
+        step.region = None
         self.current = step
         if self.listeners:
             for listener in list(self.listeners):
