@@ -27,13 +27,13 @@ class phase:
 
     A phase records the span a :class:`~perfsdk.timing.timed_region` would (name, ids,
     nesting, times, the error it ended with, its NVTX range) at a fraction of the cost on the
-    calling thread (under callgrind 8k instructions a block against 20k; in place, after a
-    step's torch work, 53 against 74 us on the 2-core development machine), because it does
-    not become the current span: inside it, ``trace.get_current_span()`` is the region around
-    it (the step), which stands for the phase while it is open. Regions and OpenTelemetry spans
-    started inside a phase are still the phase's children. It has no handle (``as`` gives
-    None) and no per-entry attributes: use a ``timed_region`` where the block needs its own
-    span object.
+    calling thread (under callgrind 5.6k instructions a block against 20k; in place, after a
+    step's torch work, 27 to 37 against 57 to 79 us on the 2-core development machine),
+    because it does not become the current span: inside it, ``trace.get_current_span()`` is
+    the region around it (the step), which stands for the phase while it is open. Regions
+    and OpenTelemetry spans started inside a phase are still the phase's children. It has no
+    handle (``as`` gives None) and no per-entry attributes: use a ``timed_region`` where the
+    block needs its own span object.
 
     This is how ``perfsdk run`` and the Lightning callback record the forward, backward and
     optimizer phases of each step. Where a phase cannot ride on the region around it, it is a
