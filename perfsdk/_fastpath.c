@@ -50,8 +50,11 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
-#include <unistd.h>
+#include <unistd.h> /* getentropy (glibc 2.25+) */
 #include <pthread.h>
+#ifdef __APPLE__
+#include <sys/random.h> /* getentropy */
+#endif
 #include <structmember.h> /* PyMemberDef, T_OBJECT_EX, READONLY */
 
 #ifdef PERFSDK_NVTX
@@ -654,6 +657,25 @@ gate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kw
     return gate_open((InnerGateObject *)op);
 }
 
+/* The marker's compiled range (new reference): its `call` when that is an NvtxCall (a tool
+ * listens and the module was built with NVTX), else NULL, without an exception. */
+static PyObject *
+marker_call(PyObject *nvtx)
+{
+#ifdef PERFSDK_NVTX
+    PyObject *call = PyObject_GetAttrString(nvtx, "call");
+    if (call == NULL) {
+        PyErr_Clear();
+    } else if (Py_TYPE(call) != &NvtxCallType) {
+        Py_CLEAR(call);
+    }
+    return call;
+#else
+    (void)nvtx;
+    return NULL;
+#endif
+}
+
 static PyObject *
 gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
@@ -697,18 +719,9 @@ gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                                                   : s_push_range)) == NULL) {
         goto fail;
     }
-#ifdef PERFSDK_NVTX
-    if (!truth) { /* a push/pop range: an NvtxCall of the marker's pushes it without a call */
-        PyObject *call = PyObject_GetAttrString(nvtx, "call");
-        if (call == NULL) {
-            PyErr_Clear();
-        } else if (Py_TYPE(call) == &NvtxCallType) {
-            self->nvtx_call = call;
-        } else {
-            Py_DECREF(call);
-        }
+    if (!truth) { /* a push/pop range: the marker's NvtxCall pushes it without a call */
+        self->nvtx_call = marker_call(nvtx);
     }
-#endif
     Py_DECREF(nvtx);
     Py_DECREF(value);
     return (PyObject *)self;
@@ -1519,18 +1532,9 @@ rstart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     } else if ((self->push = PyObject_GetAttr(self->domain, s_push_range)) == NULL) {
         goto fail;
     }
-#ifdef PERFSDK_NVTX
-    if (!truth) {
-        PyObject *call = PyObject_GetAttrString(nvtx, "call");
-        if (call == NULL) {
-            PyErr_Clear();
-        } else if (Py_TYPE(call) == &NvtxCallType) {
-            self->nvtx_call = call;
-        } else {
-            Py_DECREF(call);
-        }
+    if (!truth) { /* a push/pop range: the marker's NvtxCall pushes it without a call */
+        self->nvtx_call = marker_call(nvtx);
     }
-#endif
     Py_DECREF(nvtx);
     Py_DECREF(value);
     return (PyObject *)self;

@@ -796,6 +796,7 @@ spec's fixed fields read once and the Region's and settings' slots read directly
 is off its fast path (sampling, no owner to ride on) it hands to :meth:`RegionSpec.open_inner`.
 There :meth:`InnerRegion.exit` is compiled too."""
 
+
 def _start_python(spec: RegionSpec, attributes: dict[str, Any] | None) -> Region:
     """A fresh Region of ``spec``, entered: the gate's per-entry work (:meth:`Region._start`)."""
     return _alloc(Region)._start(spec, attributes)
@@ -821,6 +822,7 @@ readings, a push/pop NVTX range, the parent a Region or nothing) without a Pytho
 clock read and the ids drawn without a call, the NVTX range pushed through the marker's
 compiled range; anything else is handed to the Python code before anything is done."""
 exit_region: Callable[[Region, BaseException | None, int], None] = _exit_python
+
 
 def compiled_module() -> Any:
     """perfsdk's compiled module when its region paths are bound (``inner_gate`` is its
