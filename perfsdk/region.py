@@ -806,9 +806,9 @@ def _starter_python(spec: RegionSpec) -> Callable[[dict[str, Any] | None], Regio
     return functools.partial(_start_python, spec)
 
 
-def _exit_python(region: Region, error: BaseException | None, t1: int) -> None:
-    region.exit(error, t1)
-
+_exit_python: Callable[[Region, BaseException | None, int], None] = Region.exit
+"""``region.exit(error, t1)``, called as ``Region.exit(region, error, t1)``: no frame of its
+own."""
 
 region_starter: Callable[[RegionSpec], Callable[[dict[str, Any] | None], Region]] = (
     _starter_python)
