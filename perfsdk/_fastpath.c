@@ -427,6 +427,115 @@ global(PyObject *globals, PyObject *name)
     return value;
 }
 
+/* The marker's compiled range (new reference): its `call` when that is an NvtxCall (a tool
+ * listens and the module was built with NVTX), else NULL, without an exception. */
+static PyObject *
+marker_call(PyObject *nvtx)
+{
+#ifdef PERFSDK_NVTX
+    PyObject *call = PyObject_GetAttrString(nvtx, "call");
+    if (call == NULL) {
+        PyErr_Clear();
+    } else if (Py_TYPE(call) != &NvtxCallType) {
+        Py_CLEAR(call);
+    }
+    return call;
+#else
+    (void)nvtx;
+    return NULL;
+#endif
+}
+
+/* What a gate reads once from its spec: the memory setting and the region's NVTX range. */
+typedef struct {
+    PyObject *memory;     /* spec.memory: None (the configured setting) or a bool */
+    PyObject *push;       /* spec.nvtx.domain.push_range / start_range, or None */
+    PyObject *attributes; /* spec.nvtx.attributes */
+    PyObject *domain;     /* spec.nvtx.domain, or None */
+    PyObject *nvtx_call;  /* spec.nvtx.call, an NvtxCall pushed and popped here, or NULL */
+    int asynchronous;
+} SpecRange;
+
+/* Read `range` from `spec`: 0, or -1 with an exception set (what was read is kept, for the
+ * owner's dealloc to release). */
+static int
+spec_range_read(SpecRange *range, PyObject *spec)
+{
+    PyObject *nvtx = NULL, *value = NULL;
+    int truth, result = -1;
+    if ((range->memory = PyObject_GetAttr(spec, s_memory)) == NULL
+        || (nvtx = PyObject_GetAttr(spec, s_nvtx)) == NULL
+        || (range->domain = PyObject_GetAttr(nvtx, s_domain)) == NULL
+        || (range->attributes = PyObject_GetAttr(nvtx, s_attributes)) == NULL
+        || (value = PyObject_GetAttr(spec, s_asynchronous)) == NULL
+        || (truth = PyObject_IsTrue(value)) < 0) {
+        goto done;
+    }
+    range->asynchronous = truth;
+    if (range->domain == Py_None) {
+        range->push = Py_NewRef(Py_None);
+    } else if ((range->push = PyObject_GetAttr(range->domain, truth ? s_start_range
+                                                                    : s_push_range)) == NULL) {
+        goto done;
+    }
+    if (!truth) { /* a push/pop range: the marker's NvtxCall pushes it without a call */
+        range->nvtx_call = marker_call(nvtx);
+    }
+    result = 0;
+done:
+    Py_XDECREF(nvtx);
+    Py_XDECREF(value);
+    return result;
+}
+
+static int
+spec_range_traverse(SpecRange *range, visitproc visit, void *arg)
+{
+    Py_VISIT(range->memory);
+    Py_VISIT(range->push);
+    Py_VISIT(range->attributes);
+    Py_VISIT(range->domain);
+    Py_VISIT(range->nvtx_call);
+    return 0;
+}
+
+static void
+spec_range_clear(SpecRange *range)
+{
+    Py_CLEAR(range->memory);
+    Py_CLEAR(range->push);
+    Py_CLEAR(range->attributes);
+    Py_CLEAR(range->domain);
+    Py_CLEAR(range->nvtx_call);
+}
+
+/* Push (or start) the range, _state.nvtx having been found on: *dom gets what the exit closes
+ * it with (the NvtxCall, or the nvtx package's domain), *rid a start/end range's id (new
+ * reference; else left as it is). 0, or -1 with an exception set. */
+static int
+spec_range_push(SpecRange *range, PyObject **dom, PyObject **rid)
+{
+    PyObject *pushed;
+#ifdef PERFSDK_NVTX
+    if (range->nvtx_call != NULL) { /* the same range, without a call */
+        NvtxCallObject *call = (NvtxCallObject *)range->nvtx_call;
+        nvtxDomainRangePushEx(call->domain, &call->attributes);
+        *dom = range->nvtx_call;
+        return 0;
+    }
+#endif
+    if ((pushed = PyObject_CallOneArg(range->push, range->attributes)) == NULL) {
+        return -1;
+    }
+    *dom = range->domain;
+    if (range->asynchronous) {
+        *rid = pushed;
+    } else {
+        Py_DECREF(pushed);
+    }
+    return 0;
+}
+
 /* InnerGate(spec): gate() is spec.open_inner() (RegionSpec.open_inner, compiled), with the
  * spec's fixed fields read once. */
 typedef struct {
@@ -435,12 +544,7 @@ typedef struct {
     PyObject *spec;
     PyObject *index;
     PyObject *every;      /* spec.every: None (the configured rate) or an int */
-    PyObject *memory;     /* spec.memory: None (the configured setting) or a bool */
-    PyObject *push;       /* spec.nvtx.domain.push_range / start_range, or None */
-    PyObject *attributes; /* spec.nvtx.attributes */
-    PyObject *domain;     /* spec.nvtx.domain, or None */
-    PyObject *nvtx_call;  /* spec.nvtx.call, an NvtxCall pushed and popped here, or NULL */
-    int asynchronous;
+    SpecRange range;
 } InnerGateObject;
 
 /* 1: the entry may ride on `owner`; 0: not (a Region of its own); -1: error.
@@ -486,7 +590,7 @@ may_ride(InnerGateObject *gate, PyObject *state, PyObject *owner)
         return truth;
     }
     /* not (memory or (memory is None and _state.memory)) */
-    value = gate->memory == Py_None ? SLOT(state, state_slots.memory) : gate->memory;
+    value = gate->range.memory == Py_None ? SLOT(state, state_slots.memory) : gate->range.memory;
     if (value == NULL || (truth = PyObject_IsTrue(value)) != 0) {
         return value == NULL ? 0 : (truth < 0 ? -1 : 0);
     }
@@ -575,32 +679,15 @@ gate_open(InnerGateObject *gate)
         return NULL;
     }
     /* the NVTX range: push (or start) when _state.nvtx and the spec has a domain */
-    if (gate->push != Py_None) {
+    if (gate->range.push != Py_None) {
         if ((value = SLOT(state, state_slots.nvtx)) == NULL
             || (truth = PyObject_IsTrue(value)) < 0) {
             Py_DECREF(owner);
             return value == NULL ? gate_python(gate) : NULL;
         }
-#ifdef PERFSDK_NVTX
-        if (truth && gate->nvtx_call != NULL) { /* the same range, without a call */
-            NvtxCallObject *call = (NvtxCallObject *)gate->nvtx_call;
-            nvtxDomainRangePushEx(call->domain, &call->attributes);
-            dom = gate->nvtx_call;
-            truth = 0;
-        }
-#endif
-        if (truth) {
-            PyObject *pushed = PyObject_CallOneArg(gate->push, gate->attributes);
-            dom = gate->domain;
-            if (pushed == NULL) {
-                Py_DECREF(owner);
-                return NULL;
-            }
-            if (gate->asynchronous) {
-                rid = pushed;
-            } else {
-                Py_DECREF(pushed);
-            }
+        if (truth && spec_range_push(&gate->range, &dom, &rid) < 0) {
+            Py_DECREF(owner);
+            return NULL;
         }
     }
     /* outer = owner.inner_id; owner.inner_id = span_id = _getrandbits(64) or 1 */
@@ -657,31 +744,11 @@ gate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kw
     return gate_open((InnerGateObject *)op);
 }
 
-/* The marker's compiled range (new reference): its `call` when that is an NvtxCall (a tool
- * listens and the module was built with NVTX), else NULL, without an exception. */
-static PyObject *
-marker_call(PyObject *nvtx)
-{
-#ifdef PERFSDK_NVTX
-    PyObject *call = PyObject_GetAttrString(nvtx, "call");
-    if (call == NULL) {
-        PyErr_Clear();
-    } else if (Py_TYPE(call) != &NvtxCallType) {
-        Py_CLEAR(call);
-    }
-    return call;
-#else
-    (void)nvtx;
-    return NULL;
-#endif
-}
-
 static PyObject *
 gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *spec, *nvtx = NULL, *value = NULL;
+    PyObject *spec;
     InnerGateObject *self;
-    int truth;
     if (region_globals == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: bind_inner() was not called");
         return NULL;
@@ -700,36 +767,16 @@ gate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->spec = Py_NewRef(spec);
     if ((self->index = PyObject_GetAttr(spec, s_index)) == NULL
         || (self->every = PyObject_GetAttr(spec, s_every)) == NULL
-        || (self->memory = PyObject_GetAttr(spec, s_memory)) == NULL
-        || (nvtx = PyObject_GetAttr(spec, s_nvtx)) == NULL
-        || (self->domain = PyObject_GetAttr(nvtx, s_domain)) == NULL
-        || (self->attributes = PyObject_GetAttr(nvtx, s_attributes)) == NULL
-        || (value = PyObject_GetAttr(spec, s_asynchronous)) == NULL
-        || (truth = PyObject_IsTrue(value)) < 0) {
-        goto fail;
+        || spec_range_read(&self->range, spec) < 0) {
+        Py_DECREF(self);
+        return NULL;
     }
-    self->asynchronous = truth;
     if (self->every != Py_None && !PyLong_CheckExact(self->every)) {
         PyErr_SetString(PyExc_TypeError, "InnerGate: spec.every must be an int or None");
-        goto fail;
+        Py_DECREF(self);
+        return NULL;
     }
-    if (self->domain == Py_None) {
-        self->push = Py_NewRef(Py_None);
-    } else if ((self->push = PyObject_GetAttr(self->domain, truth ? s_start_range
-                                                                  : s_push_range)) == NULL) {
-        goto fail;
-    }
-    if (!truth) { /* a push/pop range: the marker's NvtxCall pushes it without a call */
-        self->nvtx_call = marker_call(nvtx);
-    }
-    Py_DECREF(nvtx);
-    Py_DECREF(value);
     return (PyObject *)self;
-fail:
-    Py_XDECREF(nvtx);
-    Py_XDECREF(value);
-    Py_DECREF(self);
-    return NULL;
 }
 
 static int
@@ -739,12 +786,7 @@ gate_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->spec);
     Py_VISIT(self->index);
     Py_VISIT(self->every);
-    Py_VISIT(self->memory);
-    Py_VISIT(self->push);
-    Py_VISIT(self->attributes);
-    Py_VISIT(self->domain);
-    Py_VISIT(self->nvtx_call);
-    return 0;
+    return spec_range_traverse(&self->range, visit, arg);
 }
 
 static int
@@ -754,11 +796,7 @@ gate_clear(PyObject *op)
     Py_CLEAR(self->spec);
     Py_CLEAR(self->index);
     Py_CLEAR(self->every);
-    Py_CLEAR(self->memory);
-    Py_CLEAR(self->push);
-    Py_CLEAR(self->attributes);
-    Py_CLEAR(self->domain);
-    Py_CLEAR(self->nvtx_call);
+    spec_range_clear(&self->range);
     return 0;
 }
 
@@ -1218,12 +1256,7 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *spec;
-    PyObject *memory;     /* spec.memory */
-    PyObject *push;       /* spec.nvtx.domain.push_range, or None */
-    PyObject *attributes; /* spec.nvtx.attributes */
-    PyObject *domain;     /* spec.nvtx.domain, or None */
-    PyObject *nvtx_call;  /* spec.nvtx.call (an NvtxCall), or NULL */
-    int asynchronous;
+    SpecRange range;
 } RegionStartObject;
 
 /* 1: CUDA is initialized (or cannot tell), 0: not, -1: error. torch.cuda.is_initialized() is
@@ -1257,10 +1290,11 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
 {
     PyObject *value, *key, *pipeline, *profiling;
     int truth;
-    if (!full_bound || current_var == NULL || self->asynchronous) {
+    if (!full_bound || current_var == NULL || self->range.asynchronous) {
         return 0;
     }
-    if ((value = SLOT(state, state_slots.timing)) == NULL || (truth = PyObject_IsTrue(value)) <= 0) {
+    if ((value = SLOT(state, state_slots.timing)) == NULL
+        || (truth = PyObject_IsTrue(value)) <= 0) {
         return value == NULL ? 0 : truth;
     }
     /* PIPELINE.started */
@@ -1285,7 +1319,7 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
         return profiling == NULL ? -1 : (truth < 0 ? -1 : 0);
     }
     /* not (memory or (memory is None and _state.memory)) */
-    value = self->memory == Py_None ? SLOT(state, state_slots.memory) : self->memory;
+    value = self->range.memory == Py_None ? SLOT(state, state_slots.memory) : self->range.memory;
     if (value == NULL || (truth = PyObject_IsTrue(value)) != 0) {
         return value == NULL ? 0 : (truth < 0 ? -1 : 0);
     }
@@ -1368,9 +1402,10 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
         }
         return PyObject_CallFunctionObjArgs(fn, self->spec, attributes, NULL);
     }
-    /* the NVTX range, when _state.nvtx and the spec has a domain */
-    if (self->push != Py_None) {
-        PyObject *value = SLOT(state, state_slots.nvtx);
+    /* the NVTX range, when _state.nvtx and the spec has a domain (a push/pop range: the fast
+     * path has no start/end ones, so no range id) */
+    if (self->range.push != Py_None) {
+        PyObject *value = SLOT(state, state_slots.nvtx), *rid = Py_None;
         if (value == NULL || (truth = PyObject_IsTrue(value)) < 0) {
             if (value == NULL) {
                 PyErr_SetString(PyExc_AttributeError, "perfsdk: settings without nvtx");
@@ -1378,23 +1413,9 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
             Py_DECREF(context);
             return NULL;
         }
-        if (truth) {
-#ifdef PERFSDK_NVTX
-            if (self->nvtx_call != NULL) {
-                NvtxCallObject *call = (NvtxCallObject *)self->nvtx_call;
-                nvtxDomainRangePushEx(call->domain, &call->attributes);
-                dom = self->nvtx_call;
-            } else
-#endif
-            {
-                PyObject *pushed = PyObject_CallOneArg(self->push, self->attributes);
-                if (pushed == NULL) {
-                    Py_DECREF(context);
-                    return NULL;
-                }
-                Py_DECREF(pushed);
-                dom = self->domain;
-            }
+        if (truth && spec_range_push(&self->range, &dom, &rid) < 0) {
+            Py_DECREF(context);
+            return NULL;
         }
     }
     if ((region = region_slots.type->tp_alloc(region_slots.type, 0)) == NULL) {
@@ -1499,9 +1520,8 @@ rstart_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
 static PyObject *
 rstart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *spec, *nvtx = NULL, *value = NULL;
+    PyObject *spec;
     RegionStartObject *self;
-    int truth;
     if (region_globals == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: bind_inner() was not called");
         return NULL;
@@ -1518,31 +1538,11 @@ rstart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->vectorcall = rstart_vectorcall;
     self->spec = Py_NewRef(spec);
-    if ((self->memory = PyObject_GetAttr(spec, s_memory)) == NULL
-        || (nvtx = PyObject_GetAttr(spec, s_nvtx)) == NULL
-        || (self->domain = PyObject_GetAttr(nvtx, s_domain)) == NULL
-        || (self->attributes = PyObject_GetAttr(nvtx, s_attributes)) == NULL
-        || (value = PyObject_GetAttr(spec, s_asynchronous)) == NULL
-        || (truth = PyObject_IsTrue(value)) < 0) {
-        goto fail;
+    if (spec_range_read(&self->range, spec) < 0) {
+        Py_DECREF(self);
+        return NULL;
     }
-    self->asynchronous = truth;
-    if (self->domain == Py_None || truth) {
-        self->push = Py_NewRef(Py_None);
-    } else if ((self->push = PyObject_GetAttr(self->domain, s_push_range)) == NULL) {
-        goto fail;
-    }
-    if (!truth) { /* a push/pop range: the marker's NvtxCall pushes it without a call */
-        self->nvtx_call = marker_call(nvtx);
-    }
-    Py_DECREF(nvtx);
-    Py_DECREF(value);
     return (PyObject *)self;
-fail:
-    Py_XDECREF(nvtx);
-    Py_XDECREF(value);
-    Py_DECREF(self);
-    return NULL;
 }
 
 static int
@@ -1550,12 +1550,7 @@ rstart_traverse(PyObject *op, visitproc visit, void *arg)
 {
     RegionStartObject *self = (RegionStartObject *)op;
     Py_VISIT(self->spec);
-    Py_VISIT(self->memory);
-    Py_VISIT(self->push);
-    Py_VISIT(self->attributes);
-    Py_VISIT(self->domain);
-    Py_VISIT(self->nvtx_call);
-    return 0;
+    return spec_range_traverse(&self->range, visit, arg);
 }
 
 static int
@@ -1563,11 +1558,7 @@ rstart_clear(PyObject *op)
 {
     RegionStartObject *self = (RegionStartObject *)op;
     Py_CLEAR(self->spec);
-    Py_CLEAR(self->memory);
-    Py_CLEAR(self->push);
-    Py_CLEAR(self->attributes);
-    Py_CLEAR(self->domain);
-    Py_CLEAR(self->nvtx_call);
+    spec_range_clear(&self->range);
     return 0;
 }
 
