@@ -348,7 +348,10 @@ random_id(PyObject *fn, int bits)
     X(register_prehook) X(_Tensor) X(_Hooks) X(_HOOK_KEY) X(_register) X(_make_hook) \
     X(track_python) X(forward) X(enabled) X(_no_backward) X(_forward_done) X(_grad_enabled) \
     X(_input_nodes) X(_first_node) X(started) X(_is_initialized) X(_initialized) \
-    X(_noted) X(_start_python) X(_Context) X(_detach)
+    X(_noted) X(_start_python) X(_Context) X(_detach) X(current) X(listeners) X(_paused) \
+    X(schedule) X(explicit) X(_indices) X(next_index) X(_run_id) X(_ENV_KEYS) X(_RUN_ID_KEY) \
+    X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region) \
+    X(_steps)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -1749,6 +1752,429 @@ fastpath_bind_region(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The steps of perfsdk.auto (perfsdk/auto/steps.py), compiled: step_start(steps, samples,
+ * flops, implicit) is _step_python's work and step_end(steps, step, error) is Steps._end's,
+ * for a step of a loop without a schedule, listeners, flops or a torchrun run id, samples an
+ * int (or None), perfsdk enabled; Step's __enter__ and __exit__ are step_enter and step_exit
+ * (bound as methods through `method`). Anything else is handed to the Python code, decided
+ * before anything is done. A step is the first Python work after a training step's torch
+ * calls, where each Python frame costs microseconds: these leave none (bind_steps). */
+static PyObject *steps_globals;  /* perfsdk.auto.steps's module dict */
+static PyObject *dist_globals;   /* perfsdk.distributed's module dict */
+static PyTypeObject *steps_type; /* perfsdk.auto.steps.Steps */
+static PyTypeObject *step_type;  /* perfsdk.auto.steps.Step */
+static PyObject *region_exit_fn; /* this module's region_exit */
+static struct {
+    Py_ssize_t steps, flops, index, phase, region, samples;
+} step_slots;
+static PyObject *k_step, *k_samples, *k_amp, *k_samples_per_s, *s_active_phase, *int_one;
+
+/* obj.<name> is `expected` (1), is not (0), or -1 with an exception set. */
+static int
+attr_is(PyObject *obj, PyObject *name, PyObject *expected)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        return -1;
+    }
+    Py_DECREF(value); /* compared by identity only */
+    return value == expected;
+}
+
+/* steps.listeners is an empty list: 1, 0, or -1 with an exception set. */
+static int
+no_listeners(PyObject *steps)
+{
+    PyObject *value = PyObject_GetAttr(steps, s_listeners);
+    int empty;
+    if (value == NULL) {
+        return -1;
+    }
+    empty = PyList_CheckExact(value) && PyList_GET_SIZE(value) == 0;
+    Py_DECREF(value);
+    return empty;
+}
+
+/* Steps._end(step, error) compiled: 0 done (or nothing to do), 1 for the Python code (nothing
+ * done), -1 error. */
+static int
+step_end_fast(PyObject *steps, PyObject *step, PyObject *error)
+{
+    PyObject *state, *region, *samples, *t0 = NULL, *t1, *fn, *attrs, *rate, *res, *args[3];
+    int truth;
+    if (steps_type == NULL || Py_TYPE(steps) != steps_type || Py_TYPE(step) != step_type) {
+        return 1;
+    }
+    if ((truth = attr_is(steps, s_current, step)) <= 0) {
+        return truth; /* already ended: as Python, nothing to do */
+    }
+    if ((truth = attr_is(steps, s__paused, Py_False)) <= 0
+        || (truth = no_listeners(steps)) <= 0) {
+        return truth < 0 ? -1 : 1;
+    }
+    if (SLOT(step, step_slots.flops) != Py_None || (region = SLOT(step, step_slots.region)) == NULL
+        || (samples = SLOT(step, step_slots.samples)) == NULL) {
+        return 1;
+    }
+    if ((state = global(steps_globals, s__state)) == NULL) {
+        return -1;
+    }
+    if (Py_TYPE(state) != state_slots.type || SLOT(state, state_slots.memory) == NULL) {
+        return 1;
+    }
+    if ((truth = PyObject_IsTrue(SLOT(state, state_slots.memory))) != 0) {
+        return truth < 0 ? -1 : 1; /* memory readings at the step's end: Python */
+    }
+    if (region != Py_None && (Py_TYPE(region) != region_slots.type || !full_bound
+                              || (t0 = SLOT(region, full_slots.t0)) == NULL)) {
+        return 1;
+    }
+    if (PyObject_SetAttr(steps, s_current, Py_None) < 0) {
+        return -1;
+    }
+    if (region == Py_None) {
+        return 0;
+    }
+    Py_INCREF(region);
+    Py_SETREF(SLOT(step, step_slots.region), Py_NewRef(Py_None));
+    t1 = Py_NewRef(int_zero);
+    if (samples != Py_None && (truth = PyObject_IsTrue(t0)) != 0) {
+        long long begin, end;
+        double seconds;
+        if (truth < 0 || (fn = global(region_globals, s__perf_ns)) == NULL) {
+            goto fail;
+        }
+        Py_SETREF(t1, clock_read(fn));
+        if (t1 == NULL) {
+            goto fail;
+        }
+        begin = PyLong_AsLongLong(t0);
+        end = PyLong_AsLongLong(t1);
+        if ((begin == -1 || end == -1) && PyErr_Occurred()) {
+            goto fail;
+        }
+        seconds = (double)(end - begin) / 1e9;
+        attrs = SLOT(region, full_slots.attributes);
+        if (seconds > 0 && attrs != NULL && attrs != Py_None) {
+            double count = PyLong_AsDouble(samples);
+            if ((count == -1.0 && PyErr_Occurred())
+                || (rate = PyFloat_FromDouble(count / seconds)) == NULL) {
+                goto fail;
+            }
+            truth = PyObject_SetItem(attrs, k_samples_per_s, rate);
+            Py_DECREF(rate);
+            if (truth < 0) {
+                goto fail;
+            }
+        }
+    }
+    if ((fn = global(region_globals, s_exit_region)) == NULL) {
+        goto fail;
+    }
+    args[0] = region;
+    args[1] = error;
+    args[2] = t1;
+    res = fn == region_exit_fn ? fastpath_region_exit(NULL, args, 3)
+                               : PyObject_Vectorcall(fn, args, 3, NULL);
+    Py_DECREF(region);
+    Py_DECREF(t1);
+    if (res == NULL) {
+        return -1;
+    }
+    Py_DECREF(res);
+    return 0;
+fail:
+    Py_DECREF(region);
+    Py_XDECREF(t1);
+    return -1;
+}
+
+/* step_end(steps, step, error): Steps._end(steps, step, error), compiled where it can be. */
+static PyObject *
+fastpath_step_end(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int done;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "step_end(steps, step, error) takes 3 arguments");
+        return NULL;
+    }
+    if ((done = step_end_fast(args[0], args[1], args[2])) < 0) {
+        return NULL;
+    }
+    if (done) {
+        return PyObject_CallMethodObjArgs(args[0], s__end, args[1], args[2], NULL);
+    }
+    Py_RETURN_NONE;
+}
+
+/* step_enter(step) -> step: Step.__enter__. */
+static PyObject *
+fastpath_step_enter(PyObject *module, PyObject *step)
+{
+    return Py_NewRef(step);
+}
+
+/* step_exit(step, exc_type, exc, tb): Step.__exit__, that is step_end(step._steps, step, exc). */
+static PyObject *
+fastpath_step_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *steps, *end_args[3], *res;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "step_exit(step, exc_type, exc, tb) takes 4 arguments");
+        return NULL;
+    }
+    if ((steps = PyObject_GetAttr(args[0], s__steps)) == NULL) {
+        return NULL;
+    }
+    end_args[0] = steps;
+    end_args[1] = args[0];
+    end_args[2] = args[2];
+    res = fastpath_step_end(module, end_args, 3);
+    Py_DECREF(steps);
+    return res;
+}
+
+/* 1: step_start takes the compiled path, 0: the Python one, -1: error. *current is set
+ * (borrowed from steps) on 1. */
+static int
+step_start_fast(PyObject *steps, PyObject *samples, PyObject *flops, PyObject **current)
+{
+    PyObject *state, *value, *keys;
+    int truth;
+    *current = NULL;
+    if (steps_type == NULL || Py_TYPE(steps) != steps_type || flops != Py_None) {
+        return 0;
+    }
+    if (samples != Py_None) { /* an int >= 1: else Python checks it (and raises) */
+        if (!PyLong_CheckExact(samples)) {
+            return 0;
+        }
+        if ((truth = PyObject_RichCompareBool(samples, int_zero, Py_GT)) <= 0) {
+            return truth;
+        }
+    }
+    if ((truth = attr_is(steps, s_schedule, Py_None)) <= 0
+        || (truth = attr_is(steps, s__paused, Py_False)) <= 0
+        || (truth = no_listeners(steps)) <= 0) {
+        return truth;
+    }
+    if ((value = PyObject_GetAttr(steps, s_current)) == NULL) {
+        return -1;
+    }
+    Py_DECREF(value); /* steps holds it */
+    if (value != Py_None && Py_TYPE(value) != step_type) {
+        return 0;
+    }
+    *current = value;
+    if ((state = global(steps_globals, s__state)) == NULL) {
+        return -1;
+    }
+    if (Py_TYPE(state) != state_slots.type || (value = SLOT(state, state_slots.enabled)) == NULL
+        || (truth = PyObject_IsTrue(value)) <= 0) {
+        return value == NULL ? 0 : truth;
+    }
+    if ((value = global(steps_globals, s__STEP_START)) == NULL) {
+        return -1;
+    }
+    if (value == Py_None) {
+        return 0; /* the first step: its start is made in Python */
+    }
+    if ((value = global(steps_globals, s__any_autocast)) == NULL) {
+        return -1;
+    }
+    if (value == Py_None) {
+        return 0; /* a torch without the one-call autocast query */
+    }
+    /* run_id() is None without a query: no run id shared, and not under torchrun */
+    if ((value = global(dist_globals, s__run_id)) == NULL) {
+        return -1;
+    }
+    if ((truth = PyObject_IsTrue(value)) != 0) {
+        return truth < 0 ? -1 : 0;
+    }
+    if ((keys = global(dist_globals, s__ENV_KEYS)) == NULL
+        || (value = global(dist_globals, s__RUN_ID_KEY)) == NULL) {
+        PyErr_Clear(); /* _RUN_ID_KEY is not set where os.environ has no _data */
+        return 0;
+    }
+    if (!PyDict_CheckExact(keys)) {
+        return 0;
+    }
+    truth = PyDict_Contains(keys, value);
+    return truth < 0 ? -1 : !truth;
+}
+
+/* step_start(steps, samples, flops, implicit) -> Step: _step_python(...), compiled where it
+ * can be. */
+static PyObject *
+fastpath_step_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *steps, *samples, *current, *value, *fn, *step, *index, *attrs, *region;
+    int truth, fast;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step_start(steps, samples, flops, implicit) takes 4 arguments");
+        return NULL;
+    }
+    steps = args[0];
+    samples = args[1];
+    if ((fast = step_start_fast(steps, samples, args[2], &current)) < 0) {
+        return NULL;
+    }
+    if (!fast) {
+        if ((fn = global(steps_globals, s__step_python)) == NULL) {
+            return NULL;
+        }
+        return PyObject_Vectorcall(fn, args, 4, NULL);
+    }
+    if ((truth = PyObject_IsTrue(args[3])) < 0
+        || (!truth && PyObject_SetAttr(steps, s_explicit, Py_True) < 0)) {
+        return NULL;
+    }
+    if (current != Py_None) {
+        Py_INCREF(current);
+        if ((truth = step_end_fast(steps, current, Py_None)) > 0) {
+            value = PyObject_CallMethodObjArgs(steps, s__end, current, Py_None, NULL);
+            Py_XDECREF(value);
+            truth = value == NULL ? -1 : 0;
+        }
+        Py_DECREF(current);
+        if (truth < 0) {
+            return NULL;
+        }
+    }
+    if ((value = PyObject_GetAttr(steps, s__indices)) == NULL) {
+        return NULL;
+    }
+    index = PyIter_Next(value); /* two threads never get the same index */
+    Py_DECREF(value);
+    if (index == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "perfsdk: the step indices ran out");
+        }
+        return NULL;
+    }
+    if ((value = PyNumber_Add(index, int_one)) == NULL) {
+        Py_DECREF(index);
+        return NULL;
+    }
+    truth = PyObject_SetAttr(steps, s_next_index, value);
+    Py_DECREF(value);
+    if (truth < 0 || (step = step_type->tp_alloc(step_type, 0)) == NULL) {
+        Py_DECREF(index);
+        return NULL;
+    }
+    SLOT(step, step_slots.steps) = Py_NewRef(steps);
+    SLOT(step, step_slots.index) = Py_NewRef(index);
+    SLOT(step, step_slots.samples) = Py_NewRef(samples);
+    SLOT(step, step_slots.flops) = Py_NewRef(Py_None);
+    SLOT(step, step_slots.phase) = Py_NewRef(s_active_phase);
+    SLOT(step, step_slots.region) = Py_NewRef(Py_None);
+    if (PyObject_SetAttr(steps, s_current, step) < 0 || (attrs = PyDict_New()) == NULL) {
+        goto fail;
+    }
+    if (PyDict_SetItem(attrs, k_step, index) < 0
+        || (samples != Py_None && PyDict_SetItem(attrs, k_samples, samples) < 0)) {
+        goto fail_attrs;
+    }
+    /* autocast: one query without arguments in the common case (off) */
+    if ((fn = global(steps_globals, s__any_autocast)) == NULL
+        || (value = PyObject_CallNoArgs(fn)) == NULL) {
+        goto fail_attrs;
+    }
+    truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (truth < 0) {
+        goto fail_attrs;
+    }
+    if (truth) {
+        if ((fn = global(steps_globals, s_autocast_dtype)) == NULL
+            || (value = PyObject_CallNoArgs(fn)) == NULL) {
+            goto fail_attrs;
+        }
+        truth = value == Py_None ? 0 : PyDict_SetItem(attrs, k_amp, value);
+        Py_DECREF(value);
+        if (truth < 0) {
+            goto fail_attrs;
+        }
+    }
+    if ((fn = global(steps_globals, s__STEP_START)) == NULL) {
+        goto fail_attrs;
+    }
+    region = Py_TYPE(fn) == &RegionStartType ? rstart_call((RegionStartObject *)fn, attrs)
+                                              : PyObject_CallOneArg(fn, attrs);
+    Py_DECREF(attrs);
+    if (region == NULL) {
+        goto fail;
+    }
+    Py_SETREF(SLOT(step, step_slots.region), region);
+    Py_DECREF(index);
+    return step;
+fail_attrs:
+    Py_DECREF(attrs);
+fail:
+    Py_DECREF(index);
+    Py_DECREF(step);
+    return NULL;
+}
+
+/* method(fn): fn bound as a method when read from an instance (an instancemethod), for a C
+ * function as a Python class's method: Step.__enter__ = method(step_enter). */
+static PyObject *
+fastpath_method(PyObject *module, PyObject *fn)
+{
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "method(fn): fn must be callable");
+        return NULL;
+    }
+    return PyInstanceMethod_New(fn);
+}
+
+/* bind_steps(perfsdk.auto.steps's globals, perfsdk.distributed's globals, Steps, Step): for
+ * step_start and step_end (after bind_inner and bind_region). */
+static PyObject *
+fastpath_bind_steps(PyObject *module, PyObject *args)
+{
+    PyObject *globals, *dist, *exit_fn;
+    PyTypeObject *steps_cls, *step_cls;
+#define NAMES(X) X(k_step, "perfsdk.step") X(k_samples, "perfsdk.samples") \
+    X(k_amp, "perfsdk.amp") X(k_samples_per_s, "perfsdk.samples_per_s") \
+    X(s_active_phase, "active")
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:bind_steps", &PyDict_Type, &globals, &PyDict_Type,
+                          &dist, &PyType_Type, &steps_cls, &PyType_Type, &step_cls)) {
+        return NULL;
+    }
+    if (!full_bound || region_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_steps: bind_region() was not called");
+        return NULL;
+    }
+#define OFFSET(name, text) if ((step_slots.name = slot_offset(step_cls, text)) < 0) return NULL;
+    OFFSET(steps, "_steps") OFFSET(flops, "flops") OFFSET(index, "index")
+    OFFSET(phase, "phase") OFFSET(region, "region") OFFSET(samples, "samples")
+#undef OFFSET
+    if (step_cls->tp_alloc != PyType_GenericAlloc) {
+        PyErr_SetString(PyExc_TypeError, "bind_steps: Step is not a plain class");
+        return NULL;
+    }
+#define MAKE(var, text) if (var == NULL && (var = PyUnicode_InternFromString(text)) == NULL) \
+    return NULL;
+    NAMES(MAKE)
+#undef MAKE
+#undef NAMES
+    if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    if ((exit_fn = PyObject_GetAttrString(module, "region_exit")) == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(region_exit_fn, exit_fn);
+    Py_XSETREF(steps_globals, Py_NewRef(globals));
+    Py_XSETREF(dist_globals, Py_NewRef(dist));
+    Py_XSETREF(step_type, (PyTypeObject *)Py_NewRef(step_cls));
+    Py_XSETREF(steps_type, (PyTypeObject *)Py_NewRef(steps_cls));
+    Py_RETURN_NONE;
+}
+
 /* NodeHook(seq, entries): the backward pre-hook of one hooked node (perfsdk/auto/backward.py,
  * _on_node(seq, entries, grad), compiled). */
 typedef struct {
@@ -2162,7 +2588,8 @@ fastpath_track(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     }
                     call[0] = input;
                     call[1] = nodes;
-                    if (known < 0 || (res = PyObject_Vectorcall(register_, call, 2, NULL)) == NULL) {
+                    if (known < 0
+                        || (res = PyObject_Vectorcall(register_, call, 2, NULL)) == NULL) {
                         goto done;
                     }
                     Py_DECREF(res);
@@ -2764,6 +3191,18 @@ static PyMethodDef fastpath_methods[] = {
      "track(open_, first, inputs, output): perfsdk.auto.backward.track, compiled."},
     {"bind_module", fastpath_bind_module, METH_O,
      "bind_module(globals): perfsdk.auto.module's globals, for ModuleCall."},
+    {"step_start", (PyCFunction)(void (*)(void))fastpath_step_start, METH_FASTCALL,
+     "step_start(steps, samples, flops, implicit) -> Step: perfsdk.auto.steps._step_python, "
+     "its common case compiled."},
+    {"step_end", (PyCFunction)(void (*)(void))fastpath_step_end, METH_FASTCALL,
+     "step_end(steps, step, error): Steps._end(steps, step, error), its common case compiled."},
+    {"step_enter", fastpath_step_enter, METH_O, "step_enter(step) -> step: Step.__enter__."},
+    {"step_exit", (PyCFunction)(void (*)(void))fastpath_step_exit, METH_FASTCALL,
+     "step_exit(step, exc_type, exc, tb): Step.__exit__, step_end(step._steps, step, exc)."},
+    {"method", fastpath_method, METH_O,
+     "method(fn): fn bound as a method when read from an instance (for a class attribute)."},
+    {"bind_steps", fastpath_bind_steps, METH_VARARGS,
+     "bind_steps(steps globals, distributed globals, Steps, Step): for step_start, step_end."},
     {"bind_backward", fastpath_bind_backward, METH_O,
      "bind_backward(globals): perfsdk.auto.backward's globals, for NodeHook."},
     {NULL, NULL, 0, NULL},

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+from perfsdk.auto import steps as _steps
 from perfsdk.auto.capture import CaptureRange, TorchProfileRange, nsys_command
 from perfsdk.auto.dataloader import InstrumentedLoader, instrument_dataloader
 from perfsdk.auto.module import FAST_PATH_TYPES, ModuleInstrumentation, instrument_module
@@ -70,7 +71,7 @@ def step(samples: int | None = None, *, flops: float | None = None) -> Step:
         ValueError: ``samples`` is not None or an integer >= 1, or ``flops`` is not None or a
             positive finite number.
     """
-    return STEPS.step(samples, flops=flops)
+    return _steps.step_start(STEPS, samples, flops, False)  # STEPS.step(...), one frame fewer
 
 
 def end_step() -> None:

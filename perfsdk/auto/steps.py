@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from perfsdk import config as _config
+from perfsdk import distributed as _distributed
 from perfsdk import region as _region
 from perfsdk.distributed import run_id, step_trace_id
 from perfsdk.flops.peaks import peak_flops
@@ -185,7 +187,7 @@ class Step:
 
     def end(self, error: BaseException | None = None) -> None:
         """End the step (idempotent)."""
-        self._steps._end(self, error)
+        step_end(self._steps, self, error)
 
     def __enter__(self) -> Step:
         return self
@@ -246,55 +248,13 @@ class Steps:
         ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
         DataLoader batch, and stops once the script calls ``step()`` on its own: see
         :attr:`explicit`)."""
-        if samples is not None and (type(samples) is not int or samples < 1):
-            _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
-        if flops is not None:
-            _flops(flops)
-        if not implicit:
-            self.explicit = True
-        current = self.current
-        if current is not None:
-            self._end(current, None)
-        index = next(self._indices)  # two threads never get the same index
-        self.next_index = index + 1
-        sched = self.schedule
-        phase = "active" if sched is None else sched.phase(index)
-        step = _new_step(Step)  # Step(self, index, samples, phase, flops), written out: the
-        step._steps = self  # first Python work after the last step's torch calls, where a
-        step.index = index  # frame costs microseconds
-        step.samples = samples
-        step.flops = flops
-        step.phase = phase
-        step.region = None
-        self.current = step
-        if self.listeners:
-            for listener in list(self.listeners):
-                _notify(listener.on_step_start, index)
-        if phase != "active":
-            self._pause(True)
-        elif _state.enabled and not _is_compiling():
-            attrs: dict[str, Any] = {"perfsdk.step": index}
-            if samples is not None:
-                attrs["perfsdk.samples"] = samples
-            if _any_autocast is None or _any_autocast():  # one call in the common case
-                amp = autocast_dtype()
-                if amp is not None:  # the step runs under autocast (the advisor: "already on")
-                    attrs["perfsdk.amp"] = amp
-            run = run_id()  # before the step's clock starts: the first call may ask the store
-            # The gate, written out: enabled (tested above) and every=1 (steps are not sampled).
-            region = (_STEP_START or _step_start())(attrs)
-            if region.t0 and not region.parent_id:  # a root step: the run's trace for it
-                shared = step_trace_id(index, run) if run else None
-                if shared is not None:
-                    region.trace_id = shared
-            step.region = region
-        return step
+        return step_start(self, samples, flops, implicit)
 
     def end(self) -> None:
         """End the open step (the last one of a loop that calls :meth:`step` plainly)."""
         current = self.current
         if current is not None:
-            self._end(current, None)
+            step_end(self, current, None)
 
     def _end(self, step: Step, error: BaseException | None) -> None:
         if self.current is not step:
@@ -330,6 +290,55 @@ class Steps:
         _state.enabled = (not paused) and _config.get_config().enabled
 
 
+
+def _step_python(steps: Steps, samples: int | None, flops: float | None,
+                 implicit: bool) -> Step:
+    """:meth:`Steps.step`'s work, in Python (``step_start``: compiled where built)."""
+    if samples is not None and (type(samples) is not int or samples < 1):
+        _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
+    if flops is not None:
+        _flops(flops)
+    if not implicit:
+        steps.explicit = True
+    current = steps.current
+    if current is not None:
+        steps._end(current, None)
+    index = next(steps._indices)  # two threads never get the same index
+    steps.next_index = index + 1
+    sched = steps.schedule
+    phase = "active" if sched is None else sched.phase(index)
+    step = _new_step(Step)  # Step(steps, index, samples, phase, flops), written out: the
+    step._steps = steps  # first Python work after the last step's torch calls, where a
+    step.index = index  # frame costs microseconds
+    step.samples = samples
+    step.flops = flops
+    step.phase = phase
+    step.region = None
+    steps.current = step
+    if steps.listeners:
+        for listener in list(steps.listeners):
+            _notify(listener.on_step_start, index)
+    if phase != "active":
+        steps._pause(True)
+    elif _state.enabled and not _is_compiling():
+        attrs: dict[str, Any] = {"perfsdk.step": index}
+        if samples is not None:
+            attrs["perfsdk.samples"] = samples
+        if _any_autocast is None or _any_autocast():  # one call in the common case
+            amp = autocast_dtype()
+            if amp is not None:  # the step runs under autocast (the advisor: "already on")
+                attrs["perfsdk.amp"] = amp
+        run = run_id()  # before the step's clock starts: the first call may ask the store
+        # The gate, written out: enabled (tested above) and every=1 (steps are not sampled).
+        region = (_STEP_START or _step_start())(attrs)
+        if region.t0 and not region.parent_id:  # a root step: the run's trace for it
+            shared = step_trace_id(index, run) if run else None
+            if shared is not None:
+                region.trace_id = shared
+        step.region = region
+    return step
+
+
 def _set_flops(region: Region, flops: float, seconds: float) -> None:
     """``perfsdk.flops``, and over the step's time ``perfsdk.flops_per_s`` and ``perfsdk.mfu``
     (the peak is cached after its first lookup: a CPU measures it once, ~0.3 s, here)."""
@@ -358,6 +367,45 @@ def _notify(fn: Any, index: int) -> None:
         warn_once(f"step-listener:{type(exc).__name__}",
                   f"perfsdk: a step listener failed ({exc!r}); the loop goes on")
 
+
+step_start: Callable[[Steps, int | None, float | None, bool], Step] = _step_python
+"""``step_start(steps, samples, flops, implicit)`` is what :meth:`Steps.step` does, and
+``step_end(steps, step, error)`` is ``steps._end(step, error)``. Where perfsdk's compiled module
+is built they are ``perfsdk._fastpath.step_start`` and ``step_end``, and :class:`Step`'s
+``__enter__`` and ``__exit__`` are compiled too: the common case (no schedule, no listeners, no
+``flops``, ``samples`` an int or None, perfsdk enabled, not a ``torchrun`` job with a shared
+run id, no memory readings) without a Python frame; anything else is handed to the Python code
+before anything is done. A step boundary is the first Python work after the last step's torch
+calls, where every frame costs microseconds. (The compiled start does not ask
+``torch.compiler.is_dynamo_compiling()``: called from compiled code it is always False; dynamo
+does not trace into it, it breaks the graph there, as at any C call it does not know.)"""
+step_end: Callable[[Steps, Step, BaseException | None], None] = Steps._end
+
+
+def python_twins() -> list[tuple[Any, str, Any]]:
+    """``(owner, name, pure-Python twin)`` for each of the compiled step paths: the tests swap
+    them to run the same checks on both."""
+    return [(sys.modules[__name__], "step_start", _step_python),
+            (sys.modules[__name__], "step_end", Steps._end),
+            (Step, "__enter__", _enter_python), (Step, "__exit__", _exit_python)]
+
+
+_enter_python = Step.__enter__
+_exit_python = Step.__exit__
+_fastpath = _region.compiled_module()
+if _fastpath is not None and _region.exit_region is getattr(_fastpath, "region_exit", None):
+    try:
+        _fastpath.bind_steps(globals(), vars(_distributed), Steps, Step)
+    except Exception as exc:  # never break the import: the Python twins record the same
+        from perfsdk.errors import warn_once
+
+        warn_once("fastpath-steps", f"perfsdk: compiled steps are off ({exc!r}); using the "
+                  "pure-Python path")
+    else:
+        step_start = _fastpath.step_start
+        step_end = _fastpath.step_end
+        Step.__enter__ = _fastpath.method(_fastpath.step_enter)  # type: ignore[method-assign]
+        Step.__exit__ = _fastpath.method(_fastpath.step_exit)  # type: ignore[method-assign]
 
 STEPS = Steps()
 """The process-wide step boundaries behind :func:`perfsdk.auto.step`, :func:`perfsdk.auto.capture`

@@ -511,6 +511,8 @@ def test_compiled_step_regions_record_what_the_python_twin_records(
         if not compiled:
             monkeypatch.setattr(region, "region_starter", region._starter_python)
             monkeypatch.setattr(region, "exit_region", region._exit_python)
+            for owner, name, twin in steps.python_twins():
+                monkeypatch.setattr(owner, name, twin)
         monkeypatch.setattr(region, "_getrandbits", random.Random(99).getrandbits)
         perfsdk.auto.set_schedule(None)  # step indices from 0
         with use_fake_clock() as clock, capture() as cap:
@@ -563,3 +565,138 @@ def test_compiled_step_region_hands_what_is_off_its_fast_path_to_python(
     assert type(steps[3].error) is KeyError
     assert [s.attributes["perfsdk.step"] for s in steps] == sorted(
         s.attributes["perfsdk.step"] for s in steps)
+
+
+# -- the steps (step_start, step_end, Step's with) --------------------------------------------
+needs_steps = pytest.mark.skipif(
+    _fastpath is None or not hasattr(_fastpath, "step_start")
+    or perfsdk.auto.steps.step_start is not getattr(_fastpath, "step_start", None),
+    reason="perfsdk._fastpath is not built (or PERFSDK_DISABLE_EXTENSIONS)")
+
+
+def _count_python_steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What the compiled steps handed to the Python code: ``start`` per step start, ``end`` per
+    step end."""
+    from perfsdk.auto import steps
+
+    handed: list[str] = []
+    start, end = steps._step_python, steps.Steps._end
+
+    def counting_start(*args: Any) -> Any:
+        handed.append("start")
+        return start(*args)
+
+    def counting_end(*args: Any) -> Any:
+        handed.append("end")
+        return end(*args)
+
+    monkeypatch.setattr(steps, "_step_python", counting_start)
+    monkeypatch.setattr(steps.Steps, "_end", counting_end)
+    return handed
+
+
+@needs_steps
+def test_compiled_steps_leave_no_python_frame_in_the_common_case(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``with step(...)``, plain ``step()`` calls (each ending the one before), ``STEPS.step``,
+    ``Step.end`` and ``end_step``: compiled, recorded as in Python (indices, samples, the rate
+    at the end, nesting, autocast's dtype)."""
+    perfsdk.auto.set_schedule(None)  # step indices from 0
+    with perfsdk.step():  # the step's start is made at the first step, in Python
+        pass
+    handed = _count_python_steps(monkeypatch)
+    with use_fake_clock() as clock, capture() as cap:
+        with perfsdk.step(samples=4) as first:
+            clock.advance(2)
+            with perfsdk.timed_region("inside"):
+                clock.advance(1)
+        perfsdk.step(samples=8)  # the plain-call style: the next call ends it
+        clock.advance(4)
+        second = perfsdk.auto.STEPS.step()
+        clock.advance(1)
+        second.end()
+        second.end()  # idempotent
+        with torch.autocast("cpu", dtype=torch.bfloat16), perfsdk.step(samples=1):
+            clock.advance(1)
+        perfsdk.step(samples=2)
+        perfsdk.auto.end_step()
+        perfsdk.flush()
+    assert handed == []
+    assert first.region is None
+    assert perfsdk.auto.STEPS.current is None
+    steps = cap.named("step")
+    assert [s.attributes["perfsdk.step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert [s.attributes.get("perfsdk.samples") for s in steps] == [4, 8, None, 1, 2]
+    assert steps[0].attributes["perfsdk.samples_per_s"] == pytest.approx(4 / 3e-3)  # ms: 3
+    assert steps[1].attributes["perfsdk.samples_per_s"] == pytest.approx(8 / 4e-3)
+    assert "perfsdk.samples_per_s" not in steps[2].attributes
+    assert steps[3].attributes["perfsdk.amp"] == "bfloat16"
+    assert "perfsdk.amp" not in steps[0].attributes
+    assert cap.named("inside")[0].parent_span_id == steps[0].span_id
+    assert len({s.trace_id for s in steps}) == 5  # each a root: a trace of its own
+
+
+@needs_steps
+def test_compiled_steps_hand_what_is_off_their_fast_path_to_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """flops, a schedule, a listener, a torchrun run id, memory readings, bad samples: the
+    Python code, recorded as ever; the compiled steps around them stay compiled."""
+    from perfsdk import distributed
+    from perfsdk.auto import schedule
+
+    perfsdk.auto.set_schedule(None)
+    with perfsdk.step():
+        pass
+    handed = _count_python_steps(monkeypatch)
+    with capture() as cap:
+        with perfsdk.step(flops=1e6):
+            pass
+        assert handed == ["start", "end"]
+        with pytest.raises(ValueError, match="samples=0"):
+            perfsdk.step(samples=0)
+        with pytest.raises(ValueError, match="samples=True"):
+            perfsdk.step(samples=True)
+        monkeypatch.setattr(distributed, "_run_id", "job-7")
+        with perfsdk.step() as shared:
+            pass
+        monkeypatch.setattr(distributed, "_run_id", None)
+        perfsdk.configure(memory=True)
+        try:
+            with perfsdk.step():  # a compiled start, an end with an RSS reading: Python
+                pass
+        finally:
+            perfsdk.configure(memory=False)
+        seen: list[int] = []
+
+        class Listener:
+            def on_step_start(self, index: int) -> None:
+                seen.append(index)
+
+            def on_step_end(self, index: int) -> None:
+                seen.append(-index)
+
+        listener = Listener()
+        perfsdk.auto.STEPS.listeners.append(listener)
+        try:
+            with perfsdk.step():
+                pass
+        finally:
+            perfsdk.auto.STEPS.listeners.remove(listener)
+        handed.clear()
+        with perfsdk.step():  # compiled again
+            pass
+        assert handed == []
+        perfsdk.auto.set_schedule(schedule(wait=1, warmup=0, active=1))
+        for _ in range(2):
+            with perfsdk.step():
+                pass
+        perfsdk.auto.set_schedule(None)
+        perfsdk.flush()
+    assert handed == ["start", "end", "start"]  # a scheduled step's start; a paused step's end
+    steps = cap.named("step")
+    assert [s.attributes["perfsdk.step"] for s in steps] == [1, 2, 3, 4, 5, 1]
+    assert steps[0].attributes["perfsdk.flops"] == 1e6
+    assert steps[1].trace_id == distributed.step_trace_id(2, "job-7")
+    assert shared.index == 2
+    assert "perfsdk.memory.rss_bytes" in steps[2].attributes
+    assert seen == [4, -4]

@@ -38,6 +38,8 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
         monkeypatch.setattr(_region, "region_starter", _region._starter_python)
         monkeypatch.setattr(_region, "exit_region", _region._exit_python)
+        for owner, name, twin in _steps.python_twins():  # Steps.step, Steps._end, Step's with
+            monkeypatch.setattr(owner, name, twin)
     return str(request.param)
 
 
