@@ -91,3 +91,31 @@ class RegionStart:
 def region_exit(region: Any, error: BaseException | None, t1: int, /) -> None:
     """``region.exit(error, t1)``, compiled for what :class:`RegionStart` enters on its fast
     path, ending without an error."""
+
+
+def bind_steps(steps_globals: dict[str, Any], distributed_globals: dict[str, Any],
+               steps_type: type, step_type: type, /) -> None:
+    """Hand ``perfsdk.auto.steps``'s and ``perfsdk.distributed``'s globals, ``Steps`` and
+    ``Step`` over, for :func:`step_start` and :func:`step_end` (after :func:`bind_region`)."""
+
+
+def step_start(steps: Any, samples: int | None, flops: float | None, implicit: bool,
+               /) -> Any:
+    """``perfsdk.auto.steps._step_python(steps, samples, flops, implicit)``: a step started,
+    compiled for a loop without a schedule, listeners, flops or a torchrun run id."""
+
+
+def step_end(steps: Any, step: Any, error: BaseException | None, /) -> None:
+    """``steps._end(step, error)``, compiled where :func:`step_start`'s steps end."""
+
+
+def step_enter(step: Any, /) -> Any:
+    """``Step.__enter__``: the step itself."""
+
+
+def step_exit(step: Any, exc_type: Any, exc: BaseException | None, tb: Any, /) -> None:
+    """``Step.__exit__``: ``step_end(step._steps, step, exc)``."""
+
+
+def method(fn: Any, /) -> Any:
+    """``fn`` bound as a method when read from an instance (a class attribute in C)."""

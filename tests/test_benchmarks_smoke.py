@@ -313,7 +313,7 @@ def test_metrics_cost_benchmark_shape(tmp_path: Path):
 # -- benchmarks/step_overhead.py ------------------------------------------------------------------
 STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
 STEP_CONFIGS = {"summary", "otlp_drop", "run"}
-STEP_VARIANTS = {"full", "step", "timed", "by_hand"}
+STEP_VARIANTS = {"full", "step", "timed", "by_hand", "none"}
 STEP_PRIMITIVES = {"a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
                    "Region allocation", "context switch", "record to queue", "thread id check",
                    "CUDA initialized?", "profiler on?", "timed_region", "phase (in a step)"}
@@ -337,7 +337,8 @@ def test_step_overhead_benchmark_shape(step_overhead_run):
         for variant, v in config["variants"].items():
             assert v["blocks"] == settings["blocks_per_variant"], (name, variant)
             assert len(v["block_medians"]) == v["blocks"], (name, variant)
-            for key in ("overhead", "overhead_total_time", "added_us"):
+            assert len(v["block_medians_one_median"]) == v["blocks"], (name, variant)
+            for key in ("overhead", "overhead_one_median", "overhead_total_time", "added_us"):
                 spread = v[key]
                 assert spread["p25"] <= spread["median"] <= spread["p75"], (name, variant, key)
             assert positive(v["plain_step_ms"]), (name, variant)
@@ -364,6 +365,20 @@ def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
     for name, config in result["configs"].items():
         assert config["identical_weights"] is True, name
     drop = result["configs"]["otlp_drop"]
-    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "timed": 4, "by_hand": 0}
+    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "timed": 4, "by_hand": 0,
+                                               "none": 0}
     for variant, spans in drop["expected_spans_per_step"].items():
         assert drop["variants"][variant]["spans_per_step"] == spans, variant
+
+
+def test_step_overhead_block_ratio_cancels_the_pair_order_effect(monkeypatch):
+    """A block whose second step of each pair runs 10% slower (pairs alternate the order): its
+    ratio is the overhead itself, where one median over all pairs lands between the clusters."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    from step_overhead import block_ratio
+
+    overhead, order = 1.01, 1.10
+    ratios = [overhead * order if i % 2 == 0 else overhead / order for i in range(40)]
+    assert block_ratio(ratios) == pytest.approx(overhead)
+    assert block_ratio([1.02] * 7) == pytest.approx(1.02)  # an odd count: both orders there
+    assert block_ratio([1.03]) == pytest.approx(1.03)  # one pair: its ratio
