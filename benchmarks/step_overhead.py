@@ -16,7 +16,8 @@ way ``perfsdk run`` and the Lightning callback instrument a loop (a ``step`` reg
 ``timed_region`` blocks there instead, as before). Steps alternate one by one
 (plain, instrumented, instrumented, plain, ... : the order is swapped every pair); overhead is
 the median, over blocks of ``--pairs`` pairs, of each block's median step-time ratio, minus 1,
-with the interquartile range across blocks (the way TraceML publishes its figure). A block's
+with the interquartile range across blocks (the way TraceML publishes its figure). The two
+copies swap roles block by block (each variant runs half its blocks on each). A block's
 median is taken per pair order (the pairs whose plain step ran first, and the others) and the
 two combined by their geometric mean: the second step of a pair can run several percent slower
 or faster than the first, and one median over both orders then lands anywhere between the two
@@ -315,6 +316,7 @@ def child(args: argparse.Namespace) -> int:
         recorder = RunRecorder().__enter__()
 
     plain, plain_opt, model, opt, x, y = build(args, args.layers)
+    copies = (plain, plain_opt, model, opt)  # the two copies swap roles block by block
     batch = args.batch
     step = perfsdk.step
     # Built once, as the Lightning callback builds its blocks.
@@ -412,6 +414,13 @@ def child(args: argparse.Namespace) -> int:
     for block in range(args.blocks * len(order)):
         name = order[block % len(order)]
         fn = variants[name]
+        # Each variant runs half its blocks with one copy instrumented, half with the other
+        # (the closures above read these names): what one copy's memory placement adds or
+        # takes from its steps cancels out of the median over blocks.
+        if (block // len(order)) % 2 == 0:
+            plain, plain_opt, model, opt = copies
+        else:
+            model, opt, plain, plain_opt = copies
         s = samples[name]
         perfsdk.flush()
         gc.collect()
@@ -440,6 +449,7 @@ def child(args: argparse.Namespace) -> int:
         s["plain_ns"] += plain_ns
         s["background_ns_per_step"].append(bg / args.pairs)
         s["spans"].append((drop_spans.spans - spans0) / args.pairs)
+    plain, plain_opt, model, opt = copies
 
     # -- per-call timing on the calling thread, in place (not part of the paired figure) -----
     calls: dict[str, list[int]] = {c: [] for c in CALLS}
@@ -751,7 +761,8 @@ def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict
                      "optimizer": args.optimizer, "torch_threads": 1, "clock": args.clock,
                      "calibration": calibration, "configs": list(children),
                      "order": "plain and instrumented steps alternate one by one, the order "
-                              "swapped every pair; variants rotate block by block; a flush "
+                              "swapped every pair; variants rotate block by block, and the "
+                              "two copies swap roles at each round of the variants; a flush "
                               "and gc.collect() between blocks, outside the timing",
                      "block_ratio": "geometric mean of the median ratio of the plain-first "
                                     "pairs and that of the instrumented-first pairs (the "
