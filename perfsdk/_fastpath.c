@@ -350,8 +350,7 @@ random_id(PyObject *fn, int bits)
     X(_input_nodes) X(_first_node) X(started) X(_is_initialized) X(_initialized) \
     X(_noted) X(_start_python) X(_Context) X(_detach) X(current) X(listeners) X(_paused) \
     X(schedule) X(explicit) X(_indices) X(next_index) X(_run_id) X(_ENV_KEYS) X(_RUN_ID_KEY) \
-    X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region) \
-    X(_steps)
+    X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -1755,9 +1754,8 @@ fastpath_bind_region(PyObject *module, PyObject *args)
 /* The steps of perfsdk.auto (perfsdk/auto/steps.py), compiled: step_start(steps, samples,
  * flops, implicit) is _step_python's work and step_end(steps, step, error) is Steps._end's,
  * for a step of a loop without a schedule, listeners, flops or a torchrun run id, samples an
- * int (or None), perfsdk enabled; Step's __enter__ and __exit__ are step_enter and step_exit
- * (bound as methods through `method`). Anything else is handed to the Python code, decided
- * before anything is done. A step is the first Python work after a training step's torch
+ * int (or None), perfsdk enabled. Anything else is handed to the Python code, decided before
+ * anything is done. A step is the first Python work after a training step's torch
  * calls, where each Python frame costs microseconds: these leave none (bind_steps). */
 static PyObject *steps_globals;  /* perfsdk.auto.steps's module dict */
 static PyObject *dist_globals;   /* perfsdk.distributed's module dict */
@@ -1905,33 +1903,6 @@ fastpath_step_end(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return PyObject_CallMethodObjArgs(args[0], s__end, args[1], args[2], NULL);
     }
     Py_RETURN_NONE;
-}
-
-/* step_enter(step) -> step: Step.__enter__. */
-static PyObject *
-fastpath_step_enter(PyObject *module, PyObject *step)
-{
-    return Py_NewRef(step);
-}
-
-/* step_exit(step, exc_type, exc, tb): Step.__exit__, that is step_end(step._steps, step, exc). */
-static PyObject *
-fastpath_step_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *steps, *end_args[3], *res;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "step_exit(step, exc_type, exc, tb) takes 4 arguments");
-        return NULL;
-    }
-    if ((steps = PyObject_GetAttr(args[0], s__steps)) == NULL) {
-        return NULL;
-    }
-    end_args[0] = steps;
-    end_args[1] = args[0];
-    end_args[2] = args[2];
-    res = fastpath_step_end(module, end_args, 3);
-    Py_DECREF(steps);
-    return res;
 }
 
 /* 1: step_start takes the compiled path, 0: the Python one, -1: error. *current is set
@@ -2116,18 +2087,6 @@ fail:
     Py_DECREF(index);
     Py_DECREF(step);
     return NULL;
-}
-
-/* method(fn): fn bound as a method when read from an instance (an instancemethod), for a C
- * function as a Python class's method: Step.__enter__ = method(step_enter). */
-static PyObject *
-fastpath_method(PyObject *module, PyObject *fn)
-{
-    if (!PyCallable_Check(fn)) {
-        PyErr_SetString(PyExc_TypeError, "method(fn): fn must be callable");
-        return NULL;
-    }
-    return PyInstanceMethod_New(fn);
 }
 
 /* bind_steps(perfsdk.auto.steps's globals, perfsdk.distributed's globals, Steps, Step): for
@@ -3196,11 +3155,6 @@ static PyMethodDef fastpath_methods[] = {
      "its common case compiled."},
     {"step_end", (PyCFunction)(void (*)(void))fastpath_step_end, METH_FASTCALL,
      "step_end(steps, step, error): Steps._end(steps, step, error), its common case compiled."},
-    {"step_enter", fastpath_step_enter, METH_O, "step_enter(step) -> step: Step.__enter__."},
-    {"step_exit", (PyCFunction)(void (*)(void))fastpath_step_exit, METH_FASTCALL,
-     "step_exit(step, exc_type, exc, tb): Step.__exit__, step_end(step._steps, step, exc)."},
-    {"method", fastpath_method, METH_O,
-     "method(fn): fn bound as a method when read from an instance (for a class attribute)."},
     {"bind_steps", fastpath_bind_steps, METH_VARARGS,
      "bind_steps(steps globals, distributed globals, Steps, Step): for step_start, step_end."},
     {"bind_backward", fastpath_bind_backward, METH_O,

@@ -108,14 +108,3 @@ def step_start(steps: Any, samples: int | None, flops: float | None, implicit: b
 def step_end(steps: Any, step: Any, error: BaseException | None, /) -> None:
     """``steps._end(step, error)``, compiled where :func:`step_start`'s steps end."""
 
-
-def step_enter(step: Any, /) -> Any:
-    """``Step.__enter__``: the step itself."""
-
-
-def step_exit(step: Any, exc_type: Any, exc: BaseException | None, tb: Any, /) -> None:
-    """``Step.__exit__``: ``step_end(step._steps, step, exc)``."""
-
-
-def method(fn: Any, /) -> Any:
-    """``fn`` bound as a method when read from an instance (a class attribute in C)."""

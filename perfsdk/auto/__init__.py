@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from perfsdk.auto import steps as _steps
 from perfsdk.auto.capture import CaptureRange, TorchProfileRange, nsys_command
 from perfsdk.auto.dataloader import InstrumentedLoader, instrument_dataloader
 from perfsdk.auto.module import FAST_PATH_TYPES, ModuleInstrumentation, instrument_module
 from perfsdk.auto.steps import PHASES, STEPS, Schedule, Step, Steps, schedule
+
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 __all__ = [
     "FAST_PATH_TYPES",
@@ -71,6 +75,8 @@ def step(samples: int | None = None, *, flops: float | None = None) -> Step:
         ValueError: ``samples`` is not None or an integer >= 1, or ``flops`` is not None or a
             positive finite number.
     """
+    if _is_compiling():  # dynamo traces the Python code (the compiled would break the graph)
+        return STEPS.step(samples, flops=flops)
     return _steps.step_start(STEPS, samples, flops, False)  # STEPS.step(...), one frame fewer
 
 

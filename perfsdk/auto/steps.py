@@ -187,14 +187,20 @@ class Step:
 
     def end(self, error: BaseException | None = None) -> None:
         """End the step (idempotent)."""
-        step_end(self._steps, self, error)
+        if _is_compiling():  # dynamo traces the Python code (the compiled would break the graph)
+            self._steps._end(self, error)
+        else:
+            step_end(self._steps, self, error)
 
     def __enter__(self) -> Step:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._steps._end(self, exc)  # end(exc), one call fewer: it runs every step
+        if _is_compiling():  # end(exc), written out: it runs every step
+            self._steps._end(self, exc)
+        else:
+            step_end(self._steps, self, exc)
 
     def __repr__(self) -> str:
         return f"<Step {self.index} {self.phase}>"
@@ -248,13 +254,15 @@ class Steps:
         ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
         DataLoader batch, and stops once the script calls ``step()`` on its own: see
         :attr:`explicit`)."""
+        if _is_compiling():  # dynamo traces the Python code (the compiled would break the graph)
+            return _step_python(self, samples, flops, implicit)
         return step_start(self, samples, flops, implicit)
 
     def end(self) -> None:
         """End the open step (the last one of a loop that calls :meth:`step` plainly)."""
         current = self.current
         if current is not None:
-            step_end(self, current, None)
+            current.end()
 
     def _end(self, step: Step, error: BaseException | None) -> None:
         if self.current is not step:
@@ -371,27 +379,23 @@ def _notify(fn: Any, index: int) -> None:
 step_start: Callable[[Steps, int | None, float | None, bool], Step] = _step_python
 """``step_start(steps, samples, flops, implicit)`` is what :meth:`Steps.step` does, and
 ``step_end(steps, step, error)`` is ``steps._end(step, error)``. Where perfsdk's compiled module
-is built they are ``perfsdk._fastpath.step_start`` and ``step_end``, and :class:`Step`'s
-``__enter__`` and ``__exit__`` are compiled too: the common case (no schedule, no listeners, no
-``flops``, ``samples`` an int or None, perfsdk enabled, not a ``torchrun`` job with a shared
-run id, no memory readings) without a Python frame; anything else is handed to the Python code
-before anything is done. A step boundary is the first Python work after the last step's torch
-calls, where every frame costs microseconds. (The compiled start does not ask
-``torch.compiler.is_dynamo_compiling()``: called from compiled code it is always False; dynamo
-does not trace into it, it breaks the graph there, as at any C call it does not know.)"""
+is built they are ``perfsdk._fastpath.step_start`` and ``step_end``: the common case (no
+schedule, no listeners, no ``flops``, ``samples`` an int or None, perfsdk enabled, not a
+``torchrun`` job with a shared run id, no memory readings) without a Python frame; anything
+else is handed to the Python code before anything is done. A step boundary is the first
+Python work after the last step's torch calls, where every frame costs microseconds. While
+dynamo traces (``torch.compiler.is_dynamo_compiling()``, asked by their Python callers) the
+Python code runs: dynamo cannot trace a C function, and a step must not break the graph."""
 step_end: Callable[[Steps, Step, BaseException | None], None] = Steps._end
 
 
 def python_twins() -> list[tuple[Any, str, Any]]:
     """``(owner, name, pure-Python twin)`` for each of the compiled step paths: the tests swap
     them to run the same checks on both."""
-    return [(sys.modules[__name__], "step_start", _step_python),
-            (sys.modules[__name__], "step_end", Steps._end),
-            (Step, "__enter__", _enter_python), (Step, "__exit__", _exit_python)]
+    module = sys.modules[__name__]
+    return [(module, "step_start", _step_python), (module, "step_end", Steps._end)]
 
 
-_enter_python = Step.__enter__
-_exit_python = Step.__exit__
 _fastpath = _region.compiled_module()
 if _fastpath is not None and _region.exit_region is getattr(_fastpath, "region_exit", None):
     try:
@@ -404,8 +408,6 @@ if _fastpath is not None and _region.exit_region is getattr(_fastpath, "region_e
     else:
         step_start = _fastpath.step_start
         step_end = _fastpath.step_end
-        Step.__enter__ = _fastpath.method(_fastpath.step_enter)  # type: ignore[method-assign]
-        Step.__exit__ = _fastpath.method(_fastpath.step_exit)  # type: ignore[method-assign]
 
 STEPS = Steps()
 """The process-wide step boundaries behind :func:`perfsdk.auto.step`, :func:`perfsdk.auto.capture`

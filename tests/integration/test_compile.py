@@ -138,3 +138,30 @@ def test_timed_region_as_decorator_inside_compiled_function() -> None:
     x = torch.randn(8)
     compiled = torch.compile(body, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x), x * 3 + 1)
+
+
+@pytest.mark.filterwarnings(_DYNAMO_NOTICE)
+def test_steps_inside_compiled_function_do_not_break_the_graph() -> None:
+    """DESIGN rule 5 for a step: ``with perfsdk.step()``, a plain ``perfsdk.step()`` call and
+    ``Step.end()`` inside compiled code (where the step's start and end are compiled C, which
+    dynamo cannot trace: their Python callers hand it the Python code)."""
+    import perfsdk
+    from perfsdk import auto
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        with perfsdk.step(samples=2):
+            y = torch.cos(x)
+        auto.STEPS.step().end()
+        perfsdk.step()
+        return y + 1
+
+    x = torch.randn(8)
+    compiled = torch.compile(body, fullgraph=True, backend="eager")
+    try:
+        torch.testing.assert_close(compiled(x), torch.cos(x) + 1)
+    finally:
+        auto.end_step()
+    with capture() as cap:  # eager again: the steps are recorded
+        body(x)
+        auto.end_step()
+    assert [r.name for r in cap.regions].count("step") == 3
