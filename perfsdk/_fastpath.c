@@ -387,18 +387,24 @@ slot_offset(PyTypeObject *type, const char *name)
 }
 
 #if PY_VERSION_HEX < 0x030C0000
-/* The globals read last, by name: a hit while the dict's version tag is the one it had then.
- * CPython gives every change of any dict a new tag (3.11: a global counter), so an unchanged
- * tag means an unchanged dict, whose value is still there (borrowed). A test swapping a
- * module's global changes the tag: it is read again. 3.12 deprecated the tag: no cache there. */
+/* The globals read last, by dict and name: a hit while the dict's version tag is the one it had
+ * then. CPython gives every change of any dict a new tag (3.11: a global counter), so an
+ * unchanged tag means an unchanged dict, whose value is still there (borrowed). A test swapping
+ * a module's global changes the tag: it is read again. Two ways per set (the newest first), so
+ * two globals that share a set (one name in two modules: _state) do not evict each other at
+ * every read. 3.12 deprecated the tag: no cache there. */
 typedef struct {
     PyObject *dict;
     PyObject *name;
     PyObject *value;
     uint64_t version;
 } GlobalSlot;
-#define GLOBAL_SLOTS 128
-static GlobalSlot global_slots[GLOBAL_SLOTS];
+#define GLOBAL_SETS 128
+#if defined(__GNUC__)
+static GlobalSlot global_slots[GLOBAL_SETS][2] __attribute__((aligned(64))); /* a set a line */
+#else
+static GlobalSlot global_slots[GLOBAL_SETS][2];
+#endif
 #endif
 
 /* A module global (borrowed), or NULL with an exception set. */
@@ -407,10 +413,14 @@ global(PyObject *globals, PyObject *name)
 {
     PyObject *value;
 #if PY_VERSION_HEX < 0x030C0000
-    GlobalSlot *slot = &global_slots[((uintptr_t)name * 0x9E3779B97F4A7C15ull) >> 57];
+    GlobalSlot *set = global_slots[(((uintptr_t)name ^ ((uintptr_t)globals >> 4))
+                                    * 0x9E3779B97F4A7C15ull) >> 57];
     uint64_t version = ((PyDictObject *)globals)->ma_version_tag;
-    if (slot->name == name && slot->dict == globals && slot->version == version) {
-        return slot->value;
+    if (set[0].name == name && set[0].dict == globals && set[0].version == version) {
+        return set[0].value;
+    }
+    if (set[1].name == name && set[1].dict == globals && set[1].version == version) {
+        return set[1].value;
     }
 #endif
     value = PyDict_GetItemWithError(globals, name);
@@ -421,10 +431,13 @@ global(PyObject *globals, PyObject *name)
         return NULL;
     }
 #if PY_VERSION_HEX < 0x030C0000
-    slot->dict = globals;
-    slot->name = name;
-    slot->value = value;
-    slot->version = version;
+    if (set[0].name != name || set[0].dict != globals) { /* else a newer version of set[0] */
+        set[1] = set[0];
+    }
+    set[0].dict = globals;
+    set[0].name = name;
+    set[0].value = value;
+    set[0].version = version;
 #endif
     return value;
 }
