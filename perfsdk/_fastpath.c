@@ -339,7 +339,7 @@ random_id(PyObject *fn, int bits)
 }
 
 #define INTERNED(X) X(_state) X(_cur_get) X(_SPAN_KEY) X(get) X(_FORK) X(_torch_profiler) \
-    X(_is_profiler_enabled) X(_getrandbits) X(_perf_ns) X(open_inner) X(pop_range) \
+    X(_is_profiler_enabled) X(_getrandbits) X(_perf_ns) X(open_inner) X(open) X(pop_range) \
     X(end_range) X(start_range) X(push_range) X(_queue) X(PIPELINE) X(max_pending) X(spill) \
     X(_enqueue) X(_tls) X(stack) \
     X(task) X(_task_id) X(_queue_callback) X(_end_of_pass) X(_partial) X(_warn) X(exit) \
@@ -1272,6 +1272,7 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *spec;
     SpecRange range;
+    PyObject *every; /* spec.every, for the gate (RegionStart(spec, gate=True)) */
 } RegionStartObject;
 
 /* 1: CUDA is initialized (or cannot tell), 0: not, -1: error. torch.cuda.is_initialized() is
@@ -1532,28 +1533,60 @@ rstart_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
     return rstart_call((RegionStartObject *)op, args[0]);
 }
 
+/* A gate's call: spec.open(attributes), compiled where perfsdk is enabled, the entry is not
+ * sampled (spec.every 1, or None with PERFSDK_SAMPLE_EVERY 1) and timed: the entry itself
+ * (rstart_call); disabled: NULL_REGION; anything else: spec.open(attributes) in Python. */
+static PyObject *
+rgate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    RegionStartObject *self = (RegionStartObject *)op;
+    PyObject *state, *enabled, *n, *attributes;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int overflow;
+    if (nargs > 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "a gate takes at most one argument (attributes)");
+        return NULL;
+    }
+    attributes = nargs ? args[0] : Py_None;
+    if ((state = global(region_globals, s__state)) == NULL) {
+        return NULL;
+    }
+    if (Py_TYPE(state) == state_slots.type && (enabled = SLOT(state, state_slots.enabled)) != NULL
+        && (enabled == Py_True || enabled == Py_False)) {
+        if (enabled == Py_False) {
+            return Py_NewRef(null_region);
+        }
+        n = self->every == Py_None ? SLOT(state, state_slots.sample_every) : self->every;
+        if (n != NULL && PyLong_CheckExact(n) && PyLong_AsLongAndOverflow(n, &overflow) == 1
+            && SLOT(state, state_slots.timing) == Py_True) {
+            return rstart_call(self, attributes);
+        }
+        PyErr_Clear(); /* (PyLong_AsLongAndOverflow cannot fail on an int: defensive) */
+    }
+    return PyObject_CallMethodOneArg(self->spec, s_open, attributes);
+}
+
 static PyObject *
 rstart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *spec;
     RegionStartObject *self;
+    int gate = 0;
+    static char *keywords[] = {"spec", "gate", NULL};
     if (region_globals == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "perfsdk._fastpath: bind_inner() was not called");
         return NULL;
     }
-    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)
-        || !PyArg_ParseTuple(args, "O:RegionStart", &spec)) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "RegionStart(spec) takes no keyword arguments");
-        }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:RegionStart", keywords, &spec, &gate)) {
         return NULL;
     }
     if ((self = (RegionStartObject *)type->tp_alloc(type, 0)) == NULL) {
         return NULL;
     }
-    self->vectorcall = rstart_vectorcall;
+    self->vectorcall = gate ? rgate_vectorcall : rstart_vectorcall;
     self->spec = Py_NewRef(spec);
-    if (spec_range_read(&self->range, spec) < 0) {
+    if (spec_range_read(&self->range, spec) < 0
+        || (gate && (self->every = PyObject_GetAttr(spec, s_every)) == NULL)) {
         Py_DECREF(self);
         return NULL;
     }
@@ -1565,6 +1598,7 @@ rstart_traverse(PyObject *op, visitproc visit, void *arg)
 {
     RegionStartObject *self = (RegionStartObject *)op;
     Py_VISIT(self->spec);
+    Py_VISIT(self->every);
     return spec_range_traverse(&self->range, visit, arg);
 }
 
@@ -1573,6 +1607,7 @@ rstart_clear(PyObject *op)
 {
     RegionStartObject *self = (RegionStartObject *)op;
     Py_CLEAR(self->spec);
+    Py_CLEAR(self->every);
     spec_range_clear(&self->range);
     return 0;
 }
@@ -1595,8 +1630,9 @@ rstart_repr(PyObject *op)
 static PyTypeObject RegionStartType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "perfsdk._fastpath.RegionStart",
-    .tp_doc = "RegionStart(spec): start(attributes) is perfsdk.region._start_python(spec, "
-              "attributes), compiled (after bind_inner and bind_region).",
+    .tp_doc = "RegionStart(spec, gate=False): start(attributes) is "
+              "perfsdk.region._start_python(spec, attributes), compiled (after bind_inner and "
+              "bind_region); with gate=True, start(attributes=None) is spec.open(attributes).",
     .tp_basicsize = sizeof(RegionStartObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
     .tp_vectorcall_offset = offsetof(RegionStartObject, vectorcall),

@@ -83,10 +83,12 @@ def bind_region(current: Any, device_globals: dict[str, Any], cuda: Any, /) -> N
 
 class RegionStart:
     """``RegionStart(spec)(attributes)`` is ``perfsdk.region._start_python(spec, attributes)``:
-    a fresh Region, entered; compiled for an entry on the host (after :func:`bind_region`)."""
+    a fresh Region, entered; compiled for an entry on the host (after :func:`bind_region`).
+    ``RegionStart(spec, gate=True)(attributes=None)`` is ``spec.open(attributes)``: the gate
+    too (enabled, unsampled and timed: compiled; anything else: ``spec.open``)."""
 
-    def __init__(self, spec: Any, /) -> None: ...
-    def __call__(self, attributes: dict[str, Any] | None, /) -> Any: ...
+    def __init__(self, spec: Any, gate: bool = False) -> None: ...
+    def __call__(self, attributes: dict[str, Any] | None = None, /) -> Any: ...
 
 def region_exit(region: Any, error: BaseException | None, t1: int, /) -> None:
     """``region.exit(error, t1)``, compiled for what :class:`RegionStart` enters on its fast

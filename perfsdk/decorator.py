@@ -22,6 +22,7 @@ from typing import Any, TypeVar, cast, overload
 import torch
 from typing_extensions import ParamSpec
 
+from perfsdk import region as _region
 from perfsdk.config import state as _state
 from perfsdk.region import NULL_REGION, RegionSpec, validate_attributes, validate_options
 
@@ -259,7 +260,8 @@ def _wrap(fn: Any, opts: Profiler) -> Any:
 
 
 def _sync(fn: Callable[..., Any], spec: RegionSpec) -> Any:
-    open_ = spec.open
+    open_ = _region.region_opener(spec)  # spec.open, compiled where built
+    exit_ = _region.exit_compiled  # exit_(region, None, 0) is region.exit(None), compiled
     # NVTX-only mode (PERFSDK_TIMING=0) skips the gate: every entry of a spec without its own
     # sampling is a push, the call and a pop, done in one C call where perfsdk's compiled
     # module is built (markers.NvtxMarker.call), else inline. Whatever else (sampling, no
@@ -291,7 +293,10 @@ def _sync(fn: Callable[..., Any], spec: RegionSpec) -> Any:
         except BaseException as exc:
             region.exit(exc)
             raise
-        region.exit(None)
+        if exit_ is None:
+            region.exit(None)
+        else:
+            exit_(region, None, 0)
         return result
 
     return wrapper

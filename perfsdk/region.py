@@ -824,6 +824,26 @@ compiled range; anything else is handed to the Python code before anything is do
 exit_region: Callable[[Region, BaseException | None, int], None] = _exit_python
 
 
+def _opener_python(spec: RegionSpec) -> Callable[..., Region | NullRegion]:
+    """The pure-Python gate: the spec's bound :meth:`RegionSpec.open`."""
+    return spec.open
+
+
+def _opener_compiled(spec: RegionSpec) -> Callable[..., Region | NullRegion]:
+    return _fastpath.RegionStart(spec, gate=True)  # type: ignore[no-any-return]
+
+
+region_opener: Callable[[RegionSpec], Callable[..., Region | NullRegion]] = _opener_python
+"""``region_opener(spec)(attributes=None)`` is ``spec.open(attributes)``, and
+``exit_compiled``, where not None, is ``exit_compiled(entry, None, 0)`` for ``entry.exit(None)``
+of what it returned: for ``@profiled``'s wrappers, made once per decorated function. Where
+perfsdk's compiled module is built the gate is ``perfsdk._fastpath.RegionStart(spec,
+gate=True)`` (enabled, unsampled and timed: the compiled entry of :data:`region_starter`;
+anything else: ``spec.open``) and ``exit_compiled`` is ``region_exit``, which hands whatever
+is not a plain region ending on its fast path to its own ``exit``."""
+exit_compiled: Callable[[Any, BaseException | None, int], None] | None = None
+
+
 def compiled_module() -> Any:
     """perfsdk's compiled module when its region paths are bound (``inner_gate`` is its
     ``InnerGate``), else None."""
@@ -857,3 +877,5 @@ if _fastpath is not None and hasattr(_fastpath, "InnerGate"):
             else:
                 region_starter = _fastpath.RegionStart
                 exit_region = _fastpath.region_exit
+                region_opener = _opener_compiled
+                exit_compiled = _fastpath.region_exit

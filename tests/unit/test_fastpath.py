@@ -700,3 +700,67 @@ def test_compiled_steps_hand_what_is_off_their_fast_path_to_python(
     assert shared.index == 2
     assert "perfsdk.memory.rss_bytes" in steps[2].attributes
     assert seen == [4, -4]
+
+
+# -- @profiled's gate (RegionStart(spec, gate=True), region_exit) -----------------------------
+def _profiled_run(clock: FakeClock) -> None:
+    @perfsdk.profiled("gate.fn", attributes={"k": 1})
+    def fn(n: int) -> int:
+        clock.advance(n)
+        with perfsdk.timed_region("gate.inside"):
+            clock.advance(1)
+        return n
+
+    @perfsdk.profiled("gate.raises")
+    def raises() -> None:
+        clock.advance(2)
+        raise KeyError("k")
+
+    @perfsdk.profiled("gate.sampled", every=2)
+    def sampled() -> None:
+        clock.advance(1)
+
+    assert fn(3) == 3
+    with perfsdk.timed_region("gate.outer"):  # a Region as the parent
+        fn(1)
+    with pytest.raises(KeyError):
+        raises()
+    for _ in range(4):
+        sampled()
+    perfsdk.configure(enabled=False)
+    try:
+        fn(5)  # disabled at run time: nothing recorded
+    finally:
+        perfsdk.configure(enabled=True)
+
+
+@needs_region
+def test_compiled_profiled_gate_records_what_spec_open_records(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``@profiled`` through the compiled gate and exit records what ``spec.open`` and
+    ``region.exit`` record (ids from a seeded generator, times on a fake clock, parents,
+    attributes, errors, sampling, disabled), and its common case takes no Python start."""
+    perfsdk.profiled("gate.warm")(lambda: None)()  # the pipeline started, this thread noted
+    handed = _count_python_starts(monkeypatch)
+    runs = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(region, "region_opener", region._opener_python)
+            monkeypatch.setattr(region, "exit_compiled", None)
+        monkeypatch.setattr(region, "_getrandbits", random.Random(7).getrandbits)
+        handed.clear()
+        with use_fake_clock() as clock, capture() as cap:
+            _profiled_run(clock)  # decorated inside: each run takes the gate of its mode
+            perfsdk.flush()
+        t0 = min(r.start_ns for r in cap.regions)
+        runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
+                            r.end_ns - t0, sorted(r.attributes.items()), repr(r.error))
+                           for r in cap.regions))
+        if compiled:
+            assert "gate.fn" not in handed
+    compiled_run, python_run = runs
+    assert compiled_run == python_run
+    names = [r[0] for r in compiled_run]
+    assert names.count("gate.fn") == 2
+    assert names.count("gate.sampled") == 2  # every=2: the Python gate samples
+    assert [r[7] for r in compiled_run if r[0] == "gate.raises"] == ["KeyError('k')"]
