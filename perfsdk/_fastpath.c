@@ -350,7 +350,8 @@ random_id(PyObject *fn, int bits)
     X(_input_nodes) X(_first_node) X(started) X(_is_initialized) X(_initialized) \
     X(_noted) X(_start_python) X(_Context) X(_detach) X(current) X(listeners) X(_paused) \
     X(schedule) X(explicit) X(_indices) X(next_index) X(_run_id) X(_ENV_KEYS) X(_RUN_ID_KEY) \
-    X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region)
+    X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region) \
+    X(_memory) X(TRACKER) X(rss) X(baseline) X(host_exit)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -1299,10 +1300,30 @@ cuda_initialized(void)
     return truth;
 }
 
+static PyTypeObject RssPeakType;
+static PyObject *rsspeak_baseline(PyObject *op, PyObject *unused);
+static PyObject *rsspeak_host_exit(PyObject *op, PyObject *rss0);
+
+/* perfsdk.region's _memory.TRACKER.rss, the host's peak-RSS readings (new reference), or NULL
+ * with an exception set. */
+static PyObject *
+host_rss(void)
+{
+    PyObject *module = global(region_globals, s__memory), *tracker, *rss;
+    if (module == NULL || (tracker = PyObject_GetAttr(module, s_TRACKER)) == NULL) {
+        return NULL;
+    }
+    rss = PyObject_GetAttr(tracker, s_rss);
+    Py_DECREF(tracker);
+    return rss;
+}
+
 /* 1: the entry takes the compiled path, 0: the Python one, -1: error. Sets *context (new
- * reference) and *parent (borrowed from it) on 1. */
+ * reference) and *parent (borrowed from it) on 1, and *memory to whether the entry takes a
+ * peak-RSS reading (memory=True on the host). */
 static int
-rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObject **parent)
+rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObject **parent,
+            int *memory)
 {
     PyObject *value, *key, *pipeline, *profiling;
     int truth;
@@ -1334,11 +1355,12 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
         || (truth = PyObject_IsTrue(profiling)) != 0) {
         return profiling == NULL ? -1 : (truth < 0 ? -1 : 0);
     }
-    /* not (memory or (memory is None and _state.memory)) */
+    /* memory or (memory is None and _state.memory): a peak-RSS reading (host_memory) */
     value = self->range.memory == Py_None ? SLOT(state, state_slots.memory) : self->range.memory;
-    if (value == NULL || (truth = PyObject_IsTrue(value)) != 0) {
-        return value == NULL ? 0 : (truth < 0 ? -1 : 0);
+    if (value == NULL || (truth = PyObject_IsTrue(value)) < 0) {
+        return value == NULL ? 0 : -1;
     }
+    *memory = truth;
     if ((truth = cuda_initialized()) != 0) {
         return truth < 0 ? -1 : 0;
     }
@@ -1395,13 +1417,13 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
     PyObject *state, *context = NULL, *parent = NULL, *region, *dom = Py_None, *fork, *fn;
     PyObject *trace_id = NULL, *parent_id = NULL, *span_id = NULL, *token = NULL, *t0, *key;
     PyObject *gen;
-    int fast, truth;
+    int fast, truth, memory = 0;
     if ((state = global(region_globals, s__state)) == NULL) {
         return NULL;
     }
     if (Py_TYPE(state) != state_slots.type) {
         fast = 0;
-    } else if ((fast = rstart_fast(self, state, &context, &parent)) < 0) {
+    } else if ((fast = rstart_fast(self, state, &context, &parent, &memory)) < 0) {
         return NULL;
     }
     if ((fork = global(region_globals, s__FORK)) == NULL) {
@@ -1511,6 +1533,19 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
         goto fail;
     }
     FSET(region, token, token);
+    if (memory) { /* self._mem = _memory.TRACKER.rss.baseline() */
+        PyObject *rss = host_rss(), *mem;
+        if (rss == NULL) {
+            goto fail;
+        }
+        mem = Py_TYPE(rss) == &RssPeakType ? rsspeak_baseline(rss, NULL)
+                                          : PyObject_CallMethodNoArgs(rss, s_baseline);
+        Py_DECREF(rss);
+        if (mem == NULL) {
+            goto fail;
+        }
+        Py_SETREF(SLOT(region, full_slots.mem), mem);
+    }
     if ((fn = global(region_globals, s__perf_ns)) == NULL || (t0 = clock_read(fn)) == NULL) {
         goto fail;
     }
@@ -1650,7 +1685,7 @@ static PyObject *
 fastpath_region_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *region, *error, *t1, *value, *dom, *token, *record, *spec, *index, *fn;
-    PyObject *fork;
+    PyObject *fork, *mem, *memory = Py_None;
     int truth, i;
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "region_exit(region, error, t1) takes 3 arguments");
@@ -1662,7 +1697,9 @@ fastpath_region_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!full_bound || current_var == NULL || Py_TYPE(region) != region_slots.type
         || error != Py_None || SLOT(region, full_slots.timed) != Py_True
         || SLOT(region, full_slots.start_event) != Py_None
-        || SLOT(region, full_slots.mem) != Py_None || SLOT(region, full_slots.rf) != Py_None
+        || (mem = SLOT(region, full_slots.mem)) == NULL
+        || (mem != Py_None && !PyLong_CheckExact(mem)) /* None, or a peak-RSS baseline */
+        || SLOT(region, full_slots.rf) != Py_None
         || (token = SLOT(region, full_slots.token)) == NULL || token == Py_None
         || (dom = SLOT(region, full_slots.nvtx)) == NULL
         || (spec = SLOT(region, full_slots.spec)) == NULL
@@ -1708,6 +1745,19 @@ fastpath_region_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_XSETREF(SLOT(region, full_slots.t1), Py_NewRef(t1));
+    if (mem != Py_None) { /* self.memory = _memory.TRACKER.rss.host_exit(mem) */
+        PyObject *rss = host_rss();
+        memory = rss == NULL ? NULL
+                 : Py_TYPE(rss) == &RssPeakType ? rsspeak_host_exit(rss, mem)
+                                                 : PyObject_CallMethodOneArg(rss, s_host_exit, mem);
+        Py_XDECREF(rss);
+        if (memory == NULL) {
+            Py_DECREF(index);
+            Py_DECREF(t1);
+            return NULL;
+        }
+        Py_XSETREF(SLOT(region, full_slots.memory), memory); /* the record's is borrowed */
+    }
     Py_XSETREF(SLOT(region, full_slots.resolved), Py_NewRef(Py_True));
     /* the current context back; the token dropped (fewer live objects) */
     SLOT(region, full_slots.token) = Py_NewRef(Py_None); /* ours now: `token` */
@@ -1741,7 +1791,8 @@ fastpath_region_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyTuple_SET_ITEM(record, 7, Py_NewRef(Py_None));
     PyTuple_SET_ITEM(record, 8, Py_NewRef(SLOT(region, full_slots.attributes)));
     PyTuple_SET_ITEM(record, 9, Py_NewRef(SLOT(region, full_slots.events)));
-    for (i = 10; i < 15; i++) {
+    PyTuple_SET_ITEM(record, 10, Py_NewRef(memory));
+    for (i = 11; i < 15; i++) {
         PyTuple_SET_ITEM(record, i, Py_NewRef(Py_None));
     }
     truth = enqueue_record(record);

@@ -532,8 +532,8 @@ def test_compiled_step_regions_record_what_the_python_twin_records(
 @needs_region
 def test_compiled_step_region_hands_what_is_off_its_fast_path_to_python(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A user's span as the parent, memory readings, the torch profiler, an error at exit: the
-    Python code, the same records as ever."""
+    """A user's span as the parent, the torch profiler, an error at exit: the Python code, the
+    same records as ever; memory readings on the host are compiled (RssPeak)."""
     from opentelemetry.sdk.trace import TracerProvider
 
     with perfsdk.step():
@@ -556,7 +556,7 @@ def test_compiled_step_region_hands_what_is_off_its_fast_path_to_python(
             raise KeyError("k")
         perfsdk.auto.end_step()
         perfsdk.flush()
-    assert handed == ["step", "step", "step"]  # the error is the exit's: a compiled start
+    assert handed == ["step", "step"]  # memory=True compiled; the error is the exit's
     steps = cap.named("step")
     assert steps[0].parent_span_id == user.get_span_context().span_id
     assert steps[1].memory is not None
@@ -720,6 +720,10 @@ def _profiled_run(clock: FakeClock) -> None:
     def sampled() -> None:
         clock.advance(1)
 
+    @perfsdk.profiled("gate.memory", memory=True)
+    def memory() -> bytes:
+        return bytes(1 << 20)
+
     assert fn(3) == 3
     with perfsdk.timed_region("gate.outer"):  # a Region as the parent
         fn(1)
@@ -727,6 +731,7 @@ def _profiled_run(clock: FakeClock) -> None:
         raises()
     for _ in range(4):
         sampled()
+    memory()
     perfsdk.configure(enabled=False)
     try:
         fn(5)  # disabled at run time: nothing recorded
@@ -754,13 +759,16 @@ def test_compiled_profiled_gate_records_what_spec_open_records(
             perfsdk.flush()
         t0 = min(r.start_ns for r in cap.regions)
         runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
-                            r.end_ns - t0, sorted(r.attributes.items()), repr(r.error))
+                            r.end_ns - t0, sorted(r.attributes.items()), repr(r.error),
+                            sorted(r.memory or ()))  # the readings' keys: RSS moves
                            for r in cap.regions))
         if compiled:
-            assert "gate.fn" not in handed
+            assert handed == []
     compiled_run, python_run = runs
     assert compiled_run == python_run
     names = [r[0] for r in compiled_run]
     assert names.count("gate.fn") == 2
     assert names.count("gate.sampled") == 2  # every=2: the Python gate samples
     assert [r[7] for r in compiled_run if r[0] == "gate.raises"] == ["KeyError('k')"]
+    assert "perfsdk.memory.rss_peak_bytes" in next(r[8] for r in compiled_run
+                                                   if r[0] == "gate.memory")
