@@ -1756,7 +1756,7 @@ fastpath_region_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(t1);
             return NULL;
         }
-        Py_XSETREF(SLOT(region, full_slots.memory), memory); /* the record's is borrowed */
+        Py_XSETREF(SLOT(region, full_slots.memory), memory); /* the record takes its own */
     }
     Py_XSETREF(SLOT(region, full_slots.resolved), Py_NewRef(Py_True));
     /* the current context back; the token dropped (fewer live objects) */

@@ -158,6 +158,10 @@ class RegionSpec:
     nvtx_range: NullRegion | None = dataclasses.field(
         default=None, init=False, compare=False, repr=False)
     """The shared entry of NVTX-only mode: pops the range at exit (push/pop regions only)."""
+    starter: Callable[[dict[str, Any] | None], Region] | None = dataclasses.field(
+        default=None, init=False, compare=False, repr=False)
+    """``region_starter(self)``, kept once made (:func:`spec_starter`): a ``timed_region``'s
+    entry, compiled where built."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "index", _record.register(self))
@@ -822,6 +826,16 @@ readings, a push/pop NVTX range, the parent a Region or nothing) without a Pytho
 clock read and the ids drawn without a call, the NVTX range pushed through the marker's
 compiled range; anything else is handed to the Python code before anything is done."""
 exit_region: Callable[[Region, BaseException | None, int], None] = _exit_python
+
+
+def spec_starter(spec: RegionSpec) -> Callable[[dict[str, Any] | None], Region]:
+    """``region_starter(spec)``, made at the spec's first call and kept on it (``starter``):
+    what a ``timed_region`` enters with once its gate said yes."""
+    start = spec.starter
+    if start is None:
+        start = region_starter(spec)
+        object.__setattr__(spec, "starter", start)
+    return start
 
 
 def _opener_python(spec: RegionSpec) -> Callable[..., Region | NullRegion]:

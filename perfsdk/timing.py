@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 from typing_extensions import ParamSpec
 
+from perfsdk import region as _region
 from perfsdk.config import state as _state
 from perfsdk.context import CURRENT as _CURRENT
 from perfsdk.context import SPAN_KEY as _SPAN_KEY
@@ -24,7 +25,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _is_compiling = torch.compiler.is_dynamo_compiling  # 18 ns; dynamo folds it to True
-_alloc = object.__new__  # a Region without its __init__ (the gate's way: _start sets every field)
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # memory=1 is not memory=True (nor sync=1)
@@ -105,8 +105,9 @@ class timed_region:
         attributes = self._attributes
         if _state.enabled:
             n = spec.every or _state.sample_every
-            if n == 1 or not next(spec.calls) % n:
-                region = _alloc(Region)._start(spec, dict(attributes) if attributes else None)
+            if n == 1 or not next(spec.calls) % n:  # the entry: compiled where built
+                region = (spec.starter or _region.spec_starter(spec))(
+                    dict(attributes) if attributes else None)
                 self._active.append(region)
                 return region
         region = Region(spec, dict(attributes) if attributes else None)  # a skipped handle
@@ -140,7 +141,7 @@ class timed_region:
                 # NVTX-only mode), and any such one will do; never another thread's live one
                 region = active.pop(_last_unrecorded(active))
         if region.entered:
-            region.exit(exc)
+            _region.exit_region(region, exc, 0)  # region.exit(exc), compiled where built
 
     async def __aenter__(self) -> Region:
         if _is_compiling():

@@ -298,7 +298,6 @@ class Steps:
         _state.enabled = (not paused) and _config.get_config().enabled
 
 
-
 def _step_python(steps: Steps, samples: int | None, flops: float | None,
                  implicit: bool) -> Step:
     """:meth:`Steps.step`'s work, in Python (``step_start``: compiled where built)."""

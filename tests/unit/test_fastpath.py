@@ -772,3 +772,69 @@ def test_compiled_profiled_gate_records_what_spec_open_records(
     assert [r[7] for r in compiled_run if r[0] == "gate.raises"] == ["KeyError('k')"]
     assert "perfsdk.memory.rss_peak_bytes" in next(r[8] for r in compiled_run
                                                    if r[0] == "gate.memory")
+
+
+# -- timed_region's entry (the spec's starter) and exit (region_exit) -------------------------
+def _timed_run(clock: FakeClock) -> None:
+    with perfsdk.timed_region("timed.block", attributes={"k": 2}) as block:
+        clock.advance(2)
+        with perfsdk.timed_region("timed.inner"):
+            clock.advance(1)
+    assert block.host_ms == pytest.approx(3.0)  # the handle has its result at exit
+
+    def raises() -> None:
+        with perfsdk.timed_region("timed.raises"):
+            clock.advance(1)
+            raise ValueError("v")
+
+    with pytest.raises(ValueError, match="v"):
+        raises()
+    with perfsdk.timed_region("timed.memory", memory=True):
+        clock.advance(1)
+    perfsdk.configure(sample_every=2)
+    try:
+        for _ in range(4):
+            with perfsdk.timed_region("timed.sampled"):
+                clock.advance(1)
+    finally:
+        perfsdk.configure(sample_every=1)
+
+
+@needs_region
+def test_compiled_timed_region_records_what_the_python_twin_records(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timed_region`` entered by its spec's compiled starter and left by ``region_exit``
+    records what ``Region._start`` and ``Region.exit`` record (ids, parents, times, attributes,
+    errors, memory readings, sampling), and its common case takes no Python start."""
+    from perfsdk.record import SPECS
+
+    with perfsdk.timed_region("timed.warm"):  # the pipeline started, this thread noted
+        pass
+    handed = _count_python_starts(monkeypatch)
+    runs = []
+    for compiled in (True, False):
+        for spec in list(SPECS):  # the starters made in the other mode go
+            object.__setattr__(spec, "starter", None)
+        if not compiled:
+            monkeypatch.setattr(region, "region_starter", region._starter_python)
+            monkeypatch.setattr(region, "exit_region", region._exit_python)
+        monkeypatch.setattr(region, "_getrandbits", random.Random(5).getrandbits)
+        handed.clear()
+        with use_fake_clock() as clock, capture() as cap:
+            _timed_run(clock)
+            perfsdk.flush()
+        t0 = min(r.start_ns for r in cap.regions)
+        runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
+                            r.end_ns - t0, sorted(r.attributes.items()), repr(r.error),
+                            sorted(r.memory or ())) for r in cap.regions))
+        if compiled:
+            assert handed == []
+        else:
+            assert "timed.block" in handed  # the twin: every entry through _start_python
+    compiled_run, python_run = runs
+    assert compiled_run == python_run
+    names = [r[0] for r in compiled_run]
+    assert names.count("timed.sampled") == 2
+    assert [r[7] for r in compiled_run if r[0] == "timed.raises"] == ["ValueError('v')"]
+    assert "perfsdk.memory.rss_peak_bytes" in next(r[8] for r in compiled_run
+                                                   if r[0] == "timed.memory")
