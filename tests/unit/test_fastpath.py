@@ -480,6 +480,16 @@ def _count_python_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return handed
 
 
+def _recorded(cap: Any) -> list[tuple[Any, ...]]:
+    """What a twin comparison compares, per captured region, sorted: name, ids, parent, times
+    from the first start, attributes, the error's repr and the memory readings' keys (RSS
+    itself moves between runs)."""
+    t0 = min(r.start_ns for r in cap.regions)
+    return sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
+                   r.end_ns - t0, sorted(r.attributes.items()), repr(r.error),
+                   sorted(r.memory or ())) for r in cap.regions)
+
+
 def _steps_run(clock: FakeClock) -> None:
     with perfsdk.step(samples=4):
         clock.advance(1)
@@ -518,10 +528,7 @@ def test_compiled_step_regions_record_what_the_python_twin_records(
         with use_fake_clock() as clock, capture() as cap:
             _steps_run(clock)
             perfsdk.flush()
-        t0 = min(r.start_ns for r in cap.regions)
-        runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
-                            r.end_ns - t0, sorted(r.attributes.items()), r.error)
-                           for r in cap.regions))
+        runs.append(_recorded(cap))
         if compiled:
             assert handed == []
     compiled_run, python_run = runs
@@ -757,11 +764,7 @@ def test_compiled_profiled_gate_records_what_spec_open_records(
         with use_fake_clock() as clock, capture() as cap:
             _profiled_run(clock)  # decorated inside: each run takes the gate of its mode
             perfsdk.flush()
-        t0 = min(r.start_ns for r in cap.regions)
-        runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
-                            r.end_ns - t0, sorted(r.attributes.items()), repr(r.error),
-                            sorted(r.memory or ()))  # the readings' keys: RSS moves
-                           for r in cap.regions))
+        runs.append(_recorded(cap))
         if compiled:
             assert handed == []
     compiled_run, python_run = runs
@@ -823,10 +826,7 @@ def test_compiled_timed_region_records_what_the_python_twin_records(
         with use_fake_clock() as clock, capture() as cap:
             _timed_run(clock)
             perfsdk.flush()
-        t0 = min(r.start_ns for r in cap.regions)
-        runs.append(sorted((r.name, r.trace_id, r.span_id, r.parent_span_id, r.start_ns - t0,
-                            r.end_ns - t0, sorted(r.attributes.items()), repr(r.error),
-                            sorted(r.memory or ())) for r in cap.regions))
+        runs.append(_recorded(cap))
         if compiled:
             assert handed == []
         else:
