@@ -106,9 +106,14 @@ class NvtxMarker:
 
     ``call`` is the compiled range (``call(fn, args, kwargs)``: push, call, pop), or None: no
     compiled module, no NVTX in it, or no real domain (no tool attached, ``NVTX_DISABLE``).
+
+    Without a tool (the nvtx package hands out its dummy domain: a process's NVTX tool is
+    loaded at its first NVTX call or never) ``domain`` is None, as without the nvtx package:
+    regions push nothing, and their exits take the compiled path, which closes real ranges
+    only.
     """
 
-    __slots__ = ("attributes", "call", "domain", "push", "start")
+    __slots__ = ("attributes", "call", "domain")
 
     def __init__(
         self, domain: str, message: str, color: int, category: str | None, payload: int | None
@@ -122,6 +127,8 @@ class NvtxMarker:
             return
         try:
             dom = _domain(domain)
+            if not hasattr(dom, "handle"):  # the dummy domain: no tool listens, nor ever will
+                return
             self.attributes = dom.get_event_attributes(
                 message=message,
                 color=color,
@@ -129,7 +136,7 @@ class NvtxMarker:
                 payload=payload,
             )
             self.domain = dom
-            if compiled_nvtx() and hasattr(dom, "handle"):  # a real domain: a tool listens
+            if compiled_nvtx():
                 self.call = _fastpath.NvtxCall(
                     domain, message, color,
                     dom.get_category_id(category) if category else 0, payload)

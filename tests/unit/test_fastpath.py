@@ -644,6 +644,35 @@ def test_compiled_steps_leave_no_python_frame_in_the_common_case(
 
 
 @needs_steps
+def test_without_a_tool_region_exits_stay_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No NVTX tool in this process: the nvtx package's dummy domain counts as no domain
+    (nothing pushed), so a step's and a ``timed_region``'s exit take the compiled path, not
+    the Python ``Region.exit`` (which a dummy domain used to send them to)."""
+    if hasattr(markers._domain("perfsdk"), "handle"):
+        pytest.skip("an NVTX tool is attached to this process")
+    marker = markers.NvtxMarker("perfsdk", "no.tool.exit", 0xFF000000, None, None)
+    assert marker.domain is None
+    assert marker.call is None
+    with perfsdk.step():  # the step's start is made at the first step, in Python
+        pass
+    exits: list[str] = []
+    python_exit = region.Region.exit
+
+    def counting(self: region.Region, *args: Any) -> Any:
+        exits.append(self.spec.name)
+        return python_exit(self, *args)
+
+    monkeypatch.setattr(region.Region, "exit", counting)
+    with capture() as cap:
+        with perfsdk.step(samples=2), perfsdk.timed_region("no.tool.block"):
+            pass
+        perfsdk.flush()
+    assert exits == []
+    assert sorted(r.name for r in cap.regions) == ["no.tool.block", "step"]
+    assert cap.named("no.tool.block")[0].parent_span_id == cap.named("step")[0].span_id
+
+
+@needs_steps
 def test_compiled_steps_hand_what_is_off_their_fast_path_to_python(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """flops, a schedule, a listener, a torchrun run id, memory readings, bad samples: the
