@@ -24,9 +24,10 @@
  *   and the owner Region's __slots__ are read by offset (after an exact type check), and the
  *   modules' globals at every call (bind_inner / bind_backward hand the dicts over), so what a
  *   test swaps there (the host clock) is seen here too (on CPython before 3.12 a read is
- *   cached while the dict's version tag stays the same: see global()). Whatever is off the
- *   fast path (sampling, no Region to ride on, memory, the profiler) goes to
- *   RegionSpec.open_inner.
+ *   cached while the dict's version tag stays the same: see global()). Sampling is decided
+ *   here, on the spec's own counter (sampled_out); whatever else is off the fast path (no
+ *   Region to ride on, memory, the profiler) goes to RegionSpec.open_inner (or, once sampled
+ *   in here, to RegionSpec.enter).
  * - ModuleCall(probe, inner) (perfsdk/auto/module.py: _wrapped_forward): the body of an
  *   instrumented module's forward wrapper; the Python wrapper keeps the torch.compile check
  *   and calls it.
@@ -351,7 +352,7 @@ random_id(PyObject *fn, int bits)
     X(_noted) X(_start_python) X(_Context) X(_detach) X(current) X(listeners) X(_paused) \
     X(schedule) X(explicit) X(_indices) X(next_index) X(_run_id) X(_ENV_KEYS) X(_RUN_ID_KEY) \
     X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region) \
-    X(_memory) X(TRACKER) X(rss) X(baseline) X(host_exit)
+    X(_memory) X(TRACKER) X(rss) X(baseline) X(host_exit) X(calls) X(enter)
 #define DECLARE(name) static PyObject *s_##name;
 INTERNED(DECLARE)
 #undef DECLARE
@@ -462,9 +463,11 @@ marker_call(PyObject *nvtx)
 #endif
 }
 
-/* What a gate reads once from its spec: the memory setting and the region's NVTX range. */
+/* What a gate reads once from its spec: the memory setting, the sampling counter and the
+ * region's NVTX range. */
 typedef struct {
     PyObject *memory;     /* spec.memory: None (the configured setting) or a bool */
+    PyObject *calls;      /* spec.calls, the sampling counter: an iterator, or NULL */
     PyObject *push;       /* spec.nvtx.domain.push_range / start_range, or None */
     PyObject *attributes; /* spec.nvtx.attributes */
     PyObject *domain;     /* spec.nvtx.domain, or None */
@@ -480,6 +483,7 @@ spec_range_read(SpecRange *range, PyObject *spec)
     PyObject *nvtx = NULL, *value = NULL;
     int truth, result = -1;
     if ((range->memory = PyObject_GetAttr(spec, s_memory)) == NULL
+        || (range->calls = PyObject_GetAttr(spec, s_calls)) == NULL
         || (nvtx = PyObject_GetAttr(spec, s_nvtx)) == NULL
         || (range->domain = PyObject_GetAttr(nvtx, s_domain)) == NULL
         || (range->attributes = PyObject_GetAttr(nvtx, s_attributes)) == NULL
@@ -488,6 +492,9 @@ spec_range_read(SpecRange *range, PyObject *spec)
         goto done;
     }
     range->asynchronous = truth;
+    if (!PyIter_Check(range->calls)) { /* not a counter: the Python gate samples */
+        Py_CLEAR(range->calls);
+    }
     if (range->domain == Py_None) {
         range->push = Py_NewRef(Py_None);
     } else if ((range->push = PyObject_GetAttr(range->domain, truth ? s_start_range
@@ -508,6 +515,7 @@ static int
 spec_range_traverse(SpecRange *range, visitproc visit, void *arg)
 {
     Py_VISIT(range->memory);
+    Py_VISIT(range->calls);
     Py_VISIT(range->push);
     Py_VISIT(range->attributes);
     Py_VISIT(range->domain);
@@ -519,10 +527,35 @@ static void
 spec_range_clear(SpecRange *range)
 {
     Py_CLEAR(range->memory);
+    Py_CLEAR(range->calls);
     Py_CLEAR(range->push);
     Py_CLEAR(range->attributes);
     Py_CLEAR(range->domain);
     Py_CLEAR(range->nvtx_call);
+}
+
+/* The sampling decision of a spec's gate, for a rate n (an int != 1): `next(spec.calls) % n`
+ * is 1 (sampled out: NULL_REGION), 0 (sampled in) or -1 (an error set). The Python gates'
+ * expression, on the same counter. */
+static int
+sampled_out(SpecRange *range, PyObject *n)
+{
+    PyObject *count, *rest;
+    int truth;
+    if ((count = PyIter_Next(range->calls)) == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "perfsdk: a spec's call counter ran out");
+        }
+        return -1;
+    }
+    rest = PyNumber_Remainder(count, n);
+    Py_DECREF(count);
+    if (rest == NULL) {
+        return -1;
+    }
+    truth = PyObject_IsTrue(rest);
+    Py_DECREF(rest);
+    return truth;
 }
 
 /* Push (or start) the range, _state.nvtx having been found on: *dom gets what the exit closes
@@ -658,12 +691,22 @@ gate_python(InnerGateObject *gate)
     return PyObject_CallMethodNoArgs(gate->spec, s_open_inner);
 }
 
+/* The Python code from where the compiled gate stops: spec.open_inner(); or, the entry
+ * sampled in here, what open_inner does past sampling when the entry does not ride on its
+ * owner: spec.enter(). */
+static PyObject *
+gate_python_from(InnerGateObject *gate, int sampled)
+{
+    return sampled ? PyObject_CallMethodNoArgs(gate->spec, s_enter) : gate_python(gate);
+}
+
 static PyObject *
 gate_open(InnerGateObject *gate)
 {
     PyObject *state, *every, *owner, *rid = Py_None, *span_id = NULL, *t0 = NULL, *fn, *result;
     PyObject *outer, *parent, *value, *dom = Py_None;
-    int truth;
+    int truth, overflow, sampled = 0;
+    long n;
     if ((state = global(region_globals, s__state)) == NULL) {
         return NULL;
     }
@@ -673,22 +716,33 @@ gate_open(InnerGateObject *gate)
     if ((truth = PyObject_IsTrue(value)) <= 0) {
         return truth < 0 ? NULL : Py_NewRef(null_region);
     }
-    /* n = spec.every or _state.sample_every: sampling (n != 1) is the Python twin's */
+    /* n = spec.every or _state.sample_every; n != 1: next(spec.calls) % n, as in Python */
     every = gate->every != Py_None ? gate->every : SLOT(state, state_slots.sample_every);
-    if (every == NULL || !PyLong_CheckExact(every) || PyLong_AsLong(every) != 1) {
-        PyErr_Clear();
+    if (every == NULL || !PyLong_CheckExact(every)) {
         return gate_python(gate);
+    }
+    if ((n = PyLong_AsLongAndOverflow(every, &overflow)) != 1) {
+        if (n == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (gate->range.calls == NULL) {
+            return gate_python(gate);
+        }
+        if ((truth = sampled_out(&gate->range, every)) != 0) {
+            return truth < 0 ? NULL : Py_NewRef(null_region);
+        }
+        sampled = 1; /* sampled in: from here, the Python code is open_inner's rest */
     }
     if ((value = SLOT(state, state_slots.timing)) == NULL
         || (truth = PyObject_IsTrue(value)) <= 0) {
-        return value == NULL || truth == 0 ? gate_python(gate) : NULL;
+        return value == NULL || truth == 0 ? gate_python_from(gate, sampled) : NULL;
     }
     if ((owner = current_span()) == NULL) {
-        return PyErr_Occurred() ? NULL : gate_python(gate);
+        return PyErr_Occurred() ? NULL : gate_python_from(gate, sampled);
     }
     if (Py_TYPE(owner) != region_slots.type || (truth = may_ride(gate, state, owner)) == 0) {
         Py_DECREF(owner);
-        return gate_python(gate);
+        return gate_python_from(gate, sampled);
     }
     if (truth < 0) {
         Py_DECREF(owner);
@@ -699,7 +753,7 @@ gate_open(InnerGateObject *gate)
         if ((value = SLOT(state, state_slots.nvtx)) == NULL
             || (truth = PyObject_IsTrue(value)) < 0) {
             Py_DECREF(owner);
-            return value == NULL ? gate_python(gate) : NULL;
+            return value == NULL ? gate_python_from(gate, sampled) : NULL;
         }
         if (truth && spec_range_push(&gate->range, &dom, &rid) < 0) {
             Py_DECREF(owner);
@@ -1568,16 +1622,18 @@ rstart_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *
     return rstart_call((RegionStartObject *)op, args[0]);
 }
 
-/* A gate's call: spec.open(attributes), compiled where perfsdk is enabled, the entry is not
- * sampled (spec.every 1, or None with PERFSDK_SAMPLE_EVERY 1) and timed: the entry itself
- * (rstart_call); disabled: NULL_REGION; anything else: spec.open(attributes) in Python. */
+/* A gate's call: spec.open(attributes), compiled where perfsdk is enabled and timed: the
+ * sampling decision (n = spec.every or PERFSDK_SAMPLE_EVERY; n != 1: next(spec.calls) % n,
+ * as in Python), then the entry itself (rstart_call) or NULL_REGION; disabled: NULL_REGION;
+ * anything else: spec.open(attributes) in Python. */
 static PyObject *
 rgate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     RegionStartObject *self = (RegionStartObject *)op;
     PyObject *state, *enabled, *n, *attributes;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    int overflow;
+    int overflow, truth;
+    long rate;
     if (nargs > 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
         PyErr_SetString(PyExc_TypeError, "a gate takes at most one argument (attributes)");
         return NULL;
@@ -1592,11 +1648,16 @@ rgate_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *k
             return Py_NewRef(null_region);
         }
         n = self->every == Py_None ? SLOT(state, state_slots.sample_every) : self->every;
-        if (n != NULL && PyLong_CheckExact(n) && PyLong_AsLongAndOverflow(n, &overflow) == 1
-            && SLOT(state, state_slots.timing) == Py_True) {
-            return rstart_call(self, attributes);
+        if (n != NULL && PyLong_CheckExact(n) && SLOT(state, state_slots.timing) == Py_True
+            && ((rate = PyLong_AsLongAndOverflow(n, &overflow)) == 1 || self->range.calls)) {
+            if (rate == -1 && PyErr_Occurred()) {
+                return NULL;
+            }
+            if (rate != 1 && (truth = sampled_out(&self->range, n)) != 0) {
+                return truth < 0 ? NULL : Py_NewRef(null_region);
+            }
+            return rstart_call(self, attributes); /* falls back on _start_python: unsampled */
         }
-        PyErr_Clear(); /* (PyLong_AsLongAndOverflow cannot fail on an int: defensive) */
     }
     return PyObject_CallMethodOneArg(self->spec, s_open, attributes);
 }

@@ -800,10 +800,86 @@ def test_compiled_profiled_gate_records_what_spec_open_records(
     assert compiled_run == python_run
     names = [r[0] for r in compiled_run]
     assert names.count("gate.fn") == 2
-    assert names.count("gate.sampled") == 2  # every=2: the Python gate samples
+    assert names.count("gate.sampled") == 2  # every=2: sampled in the gate of each mode
     assert [r[7] for r in compiled_run if r[0] == "gate.raises"] == ["KeyError('k')"]
     assert "perfsdk.memory.rss_peak_bytes" in next(r[8] for r in compiled_run
                                                    if r[0] == "gate.memory")
+
+
+def _sampled_run(clock: FakeClock) -> tuple[list[str], list[str]]:
+    """Sampled entries of ``@profiled`` and of phases (PERFSDK_SAMPLE_EVERY=3 and every=2),
+    nested in a region and with none around; returns the entry types of the two bare gates."""
+    @perfsdk.profiled("sampled.fn")
+    def fn() -> None:
+        clock.advance(1)
+
+    @perfsdk.profiled("sampled.every", every=2)
+    def every() -> None:
+        clock.advance(1)
+
+    ph = perfsdk.phase("sampled.phase")
+    bare = region.inner_gate(RegionSpec.create("sampled.bare", every=2))
+    kinds_in, kinds_out = [], []
+    with perfsdk.timed_region("sampled.model"):  # entered unsampled: every run records it
+        perfsdk.configure(sample_every=3)
+        try:
+            for _ in range(6):
+                fn()
+                every()
+                with ph:
+                    clock.advance(2)
+                entry = bare()  # inside a region: an inner entry when sampled in
+                kinds_in.append(type(entry).__name__)
+                entry.exit(None)
+        finally:
+            perfsdk.configure(sample_every=1)
+    for _ in range(2):
+        entry = bare()  # no region around: a Region of its own when sampled in
+        kinds_out.append(type(entry).__name__)
+        entry.exit(None)
+    return kinds_in, kinds_out
+
+
+@needs_region
+def test_compiled_gates_sample_as_the_python_gates_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling is decided in the compiled gates (``@profiled``'s and a phase's), on the spec's
+    own counter: the same entries recorded as by the Python gates, and neither ``spec.open``
+    nor ``spec.open_inner`` called (they were, for every sampled entry, before)."""
+    perfsdk.profiled("sampled.warm")(lambda: None)()  # the pipeline started, this thread noted
+    python_gates: list[str] = []
+    for name in ("open", "open_inner"):
+        original = getattr(RegionSpec, name)
+
+        def counting(spec: RegionSpec, *args: Any, _name: str = name,
+                     _original: Any = original) -> Any:
+            python_gates.append(_name)
+            return _original(spec, *args)
+
+        monkeypatch.setattr(RegionSpec, name, counting)
+    runs, gates, kinds = [], [], []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(region, "region_opener", region._opener_python)
+            monkeypatch.setattr(region, "exit_compiled", None)
+            monkeypatch.setattr(region, "inner_gate", region._inner_gate_python)
+            monkeypatch.setattr(region.InnerRegion, "exit", region.exit_inner_python)
+        monkeypatch.setattr(region, "_getrandbits", random.Random(11).getrandbits)
+        python_gates.clear()
+        with use_fake_clock() as clock, capture() as cap:
+            kinds.append(_sampled_run(clock))  # built inside: each run, its mode's gates
+            perfsdk.flush()
+        runs.append(_recorded(cap))
+        gates.append(len(python_gates))
+    compiled_run, python_run = runs
+    assert compiled_run == python_run
+    assert kinds[0] == kinds[1] == (["InnerRegion", "NullRegion"] * 3, ["Region", "NullRegion"])
+    names = [r[0] for r in compiled_run]
+    assert names.count("sampled.fn") == 2  # calls 0 and 3 of 6
+    assert names.count("sampled.every") == 3  # its own every=2 over the configured rate
+    assert names.count("sampled.phase") == 2
+    assert names.count("sampled.bare") == 4
+    assert gates[0] == 0
+    assert gates[1] > 0  # the Python twins do take the Python gates: the count sees them
 
 
 # -- timed_region's entry (the spec's starter) and exit (region_exit) -------------------------
