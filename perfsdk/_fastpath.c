@@ -1135,8 +1135,9 @@ fastpath_bind_inner(PyObject *module, PyObject *args)
 
 /* ---- a phase's with block: PhaseEnter and PhaseExit ------------------------------------
  *
- * perfsdk.phases.phase: __enter__ and __exit__ keep the torch.compile check in Python and
- * call these for the rest: PhaseEnter(gate, active)() is active.append(gate()), and
+ * perfsdk.phases.phase keeps one of each per instance (its _enter and _exit), and its
+ * __enter__ and __exit__ are method descriptors made here (bind_phase) that call them without
+ * a Python frame: PhaseEnter(gate, active)() is active.append(gate()), and
  * PhaseExit(active, many)(error) ends this thread's entry: the only one (the usual case) is
  * popped and exited here; several open at once (one phase object in several threads) are
  * many(active, error)'s, in Python; none (entered while torch.compile traced) is nothing. */
@@ -1300,6 +1301,81 @@ static PyTypeObject PhaseExitType = {
     .tp_traverse = phase_call_traverse,
     .tp_clear = phase_call_clear,
 };
+
+/* phase.__enter__ and phase.__exit__ (bind_phase): the instance's PhaseEnter / PhaseExit,
+ * read from its slots; an instance without them (the Python gates chosen) calls the Python
+ * methods handed over. torch.compile does not trace a phase's with block either way: dynamo
+ * does not enter a context manager made outside the compiled code (a graph break). */
+static Py_ssize_t phase_enter_slot, phase_exit_slot;
+static PyObject *phase_enter_python, *phase_exit_python;
+
+static PyObject *
+phase_method_enter(PyObject *self, PyObject *unused)
+{
+    PyObject *enter = SLOT(self, phase_enter_slot);
+    if (enter != NULL && Py_TYPE(enter) == &PhaseEnterType) {
+        return phase_enter_vectorcall(enter, NULL, 0, NULL);
+    }
+    return PyObject_CallOneArg(phase_enter_python, self);
+}
+
+static PyObject *
+phase_method_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *leave = SLOT(self, phase_exit_slot), *stack[4];
+    if (nargs == 3 && leave != NULL && Py_TYPE(leave) == &PhaseExitType) {
+        return phase_exit_vectorcall(leave, args + 1, 1, NULL); /* (exc_type, exc, tb): exc */
+    }
+    if (nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "phase.__exit__ takes 3 arguments");
+        return NULL;
+    }
+    stack[0] = self;
+    memcpy(stack + 1, args, (size_t)nargs * sizeof(PyObject *));
+    return PyObject_Vectorcall(phase_exit_python, stack, nargs + 1, NULL);
+}
+
+static PyMethodDef phase_method_defs[] = {
+    {"__enter__", phase_method_enter, METH_NOARGS, "Enter the phase (compiled)."},
+    {"__exit__", (PyCFunction)(void (*)(void))phase_method_exit, METH_FASTCALL,
+     "Leave the phase (compiled)."},
+};
+
+/* bind_phase(phase, python __enter__, python __exit__) -> (__enter__, __exit__): the compiled
+ * methods, for the class to take. */
+static PyObject *
+fastpath_bind_phase(PyObject *module, PyObject *args)
+{
+    PyTypeObject *cls;
+    PyObject *enter, *leave, *enter_descr, *exit_descr, *result;
+    Py_ssize_t enter_slot, exit_slot;
+    if (!PyArg_ParseTuple(args, "O!OO:bind_phase", &PyType_Type, &cls, &enter, &leave)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(enter) || !PyCallable_Check(leave)) {
+        PyErr_SetString(PyExc_TypeError, "bind_phase: the Python methods must be callable");
+        return NULL;
+    }
+    if ((enter_slot = slot_offset(cls, "_enter")) < 0
+        || (exit_slot = slot_offset(cls, "_exit")) < 0) {
+        return NULL;
+    }
+    if ((enter_descr = PyDescr_NewMethod(cls, &phase_method_defs[0])) == NULL) {
+        return NULL;
+    }
+    if ((exit_descr = PyDescr_NewMethod(cls, &phase_method_defs[1])) == NULL) {
+        Py_DECREF(enter_descr);
+        return NULL;
+    }
+    phase_enter_slot = enter_slot;
+    phase_exit_slot = exit_slot;
+    Py_XSETREF(phase_enter_python, Py_NewRef(enter));
+    Py_XSETREF(phase_exit_python, Py_NewRef(leave));
+    result = PyTuple_Pack(2, enter_descr, exit_descr);
+    Py_DECREF(enter_descr);
+    Py_DECREF(exit_descr);
+    return result;
+}
 
 /* ---- a step's region: Region._start and Region.exit, their common case compiled ----------
  *
@@ -3316,6 +3392,9 @@ static PyMethodDef fastpath_methods[] = {
      "its common case compiled."},
     {"step_end", (PyCFunction)(void (*)(void))fastpath_step_end, METH_FASTCALL,
      "step_end(steps, step, error): Steps._end(steps, step, error), its common case compiled."},
+    {"bind_phase", fastpath_bind_phase, METH_VARARGS,
+     "bind_phase(phase, __enter__, __exit__) -> (__enter__, __exit__): the with block, "
+     "compiled."},
     {"bind_steps", fastpath_bind_steps, METH_VARARGS,
      "bind_steps(steps globals, distributed globals, Steps, Step): for step_start, step_end."},
     {"bind_backward", fastpath_bind_backward, METH_O,

@@ -95,6 +95,12 @@ def region_exit(region: Any, error: BaseException | None, t1: int, /) -> None:
     path, ending without an error."""
 
 
+def bind_phase(phase: type, enter: Callable[..., Any], exit: Callable[..., Any], /
+               ) -> tuple[Any, Any]:
+    """``phase``'s compiled ``__enter__`` and ``__exit__`` (method descriptors), which call an
+    instance's ``_enter`` / ``_exit`` and, for an instance without them, ``enter`` / ``exit``."""
+
+
 def bind_steps(steps_globals: dict[str, Any], distributed_globals: dict[str, Any],
                steps_type: type, step_type: type, /) -> None:
     """Hand ``perfsdk.auto.steps``'s and ``perfsdk.distributed``'s globals, ``Steps`` and

@@ -11,14 +11,11 @@ from threading import get_ident
 from types import TracebackType
 from typing import Any
 
-import torch
-
 from perfsdk import region as _region
 from perfsdk.region import InnerRegion, NullRegion, Region, RegionSpec
 
 __all__ = ["open_here", "phase"]
 
-_is_compiling = torch.compiler.is_dynamo_compiling  # dynamo folds it to True
 _Entry = Region | NullRegion | InnerRegion
 
 
@@ -42,8 +39,11 @@ class phase:
     inside a region that records device time (CUDA was initialized when it began).
 
     Hooks that open a phase in one callback and close it in another use ``open()``, which
-    returns the entry; call its ``exit(error=None)`` once, on the same thread. In code that
-    ``torch.compile`` traces, the ``with`` block records nothing.
+    returns the entry; call its ``exit(error=None)`` once, on the same thread. Use phases
+    around compiled code, not inside it: ``torch.compile`` does not trace a phase's ``with``
+    block (dynamo does not enter a context manager made outside the compiled function), so
+    inside a compiled function the block is a graph break (an error with ``fullgraph=True``),
+    and runs, and records, eagerly.
 
     Example:
         >>> import perfsdk, torch
@@ -76,8 +76,8 @@ class phase:
         # open(): the gate of RegionSpec.open_inner (compiled where perfsdk._fastpath is)
         self.open: Callable[[], _Entry] = _region.inner_gate(self.spec)
         self._active: list[_Entry] = []
-        # The with block's work past the torch.compile check, compiled where the gate is
-        # (one call each way, without a frame); else None: the methods below do it.
+        # The with block's work, compiled where the gate is (called by the compiled methods
+        # without a frame); else None: the Python methods below do it.
         self._enter: Callable[[], None] | None = None
         self._exit: Callable[[BaseException | None], None] | None = None
         fast = _region.compiled_module()
@@ -95,18 +95,20 @@ class phase:
                 named = _NAMED[name] = weakref.WeakSet()
             named.add(self)
 
+    # The with block. Where perfsdk's compiled module is built, the class takes compiled
+    # methods instead (bind_phase, below), which call the instance's _enter / _exit without a
+    # Python frame, and these for an instance without them (the Python gates chosen).
+    # torch.compile does not trace a phase's with block: dynamo does not enter a context
+    # manager made outside the compiled code (a graph break, and the block runs eagerly).
     def __enter__(self) -> None:
-        if not _is_compiling():
-            enter = self._enter
-            if enter is not None:
-                enter()
-            else:
-                self._active.append(self.open())
+        enter = self._enter
+        if enter is not None:
+            enter()
+        else:
+            self._active.append(self.open())
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if _is_compiling():
-            return
         leave = self._exit
         if leave is not None:
             leave(exc)
@@ -118,7 +120,7 @@ class phase:
         elif n:  # one phase object open in several threads at once: this thread's entry
             _exit_many(active, exc)
             return
-        else:  # entered while torch.compile traced it: no entry
+        else:  # an exit without an entry: nothing to end
             return
         entry.exit(exc)
 
@@ -199,3 +201,25 @@ def _rebuild(name: str, domain: str, color: Any, category: Any, memory: Any,
              attributes: Any) -> phase:
     return phase(name, domain=domain, color=color, category=category, memory=memory,
                  attributes=attributes)
+
+
+_PYTHON_METHODS = (phase.__enter__, phase.__exit__)
+
+
+def python_twins() -> list[tuple[Any, str, Any]]:
+    """``(owner, name, pure-Python twin)`` for the compiled with block: the tests swap them to
+    run the same checks on both."""
+    return [(phase, "__enter__", _PYTHON_METHODS[0]), (phase, "__exit__", _PYTHON_METHODS[1])]
+
+
+_fastpath = _region.compiled_module()
+if _fastpath is not None and hasattr(_fastpath, "bind_phase"):
+    try:
+        for _name, _method in zip(("__enter__", "__exit__"),
+                                  _fastpath.bind_phase(phase, *_PYTHON_METHODS), strict=True):
+            setattr(phase, _name, _method)
+    except Exception as exc:  # never break the import: the Python methods record the same
+        from perfsdk.errors import warn_once
+
+        warn_once("fastpath-phase", f"perfsdk: the compiled phase block is off ({exc!r}); "
+                  "using the pure-Python one")

@@ -165,3 +165,40 @@ def test_steps_inside_compiled_function_do_not_break_the_graph() -> None:
         body(x)
         auto.end_step()
     assert [r.name for r in cap.regions].count("step") == 3
+
+
+@pytest.mark.filterwarnings(_DYNAMO_NOTICE)
+@pytest.mark.parametrize("implementation", ["compiled", "python"])
+def test_a_phase_inside_compiled_code_runs_eagerly(implementation: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase made outside a compiled function is a context manager dynamo does not enter,
+    whichever ``with`` block it has (the compiled methods or the Python ones): the block is a
+    graph break, runs eagerly and is recorded at every call, and ``fullgraph=True`` raises
+    dynamo's own error (docs: phases go around compiled code)."""
+    import perfsdk
+    from perfsdk import phases
+
+    if implementation == "python":
+        for owner, name, twin in phases.python_twins():
+            monkeypatch.setattr(owner, name, twin)
+    forward = perfsdk.phase("cc.phase")
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        with forward:
+            y = torch.cos(x)
+        return y + 1
+
+    x = torch.randn(8)
+    compiled = torch.compile(body, backend="eager")
+    with capture() as cap:
+        for _ in range(2):
+            with perfsdk.step():
+                torch.testing.assert_close(compiled(x), torch.cos(x) + 1)
+        perfsdk.flush()
+    steps = cap.named("step")
+    assert [r.parent_span_id for r in cap.named("cc.phase")] == [s.span_id for s in steps]
+    assert forward._active == []
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(body, fullgraph=True, backend="eager")(x)
+    assert forward._active == []
