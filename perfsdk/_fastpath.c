@@ -2371,6 +2371,247 @@ fastpath_bind_steps(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ---- TwinMethod: a method compiled for eager code, its Python twin for torch.compile ------
+ *
+ * TwinMethod(compiled, python) is a class attribute. An instance's lookup gives a bound method
+ * (BoundTwin) that calls `compiled` (a method descriptor: no Python frame) and whose __func__
+ * is `python`, the method's Python twin; the class's lookup gives `python`. Dynamo enters a
+ * context manager made in the code it traces by inlining the __func__ of its bound __enter__
+ * and __exit__, so it traces the Python twins, while eager code runs the compiled ones. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *compiled;
+    PyObject *python;
+} TwinMethodObject;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *twin; /* the TwinMethod */
+    PyObject *self;
+} BoundTwinObject;
+
+static PyTypeObject BoundTwinType;
+
+static PyObject *
+bound_twin_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    BoundTwinObject *bound = (BoundTwinObject *)op;
+    PyObject *compiled = ((TwinMethodObject *)bound->twin)->compiled, *stack[8], **all, *res;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), total;
+    total = nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames));
+    if (nargsf & PY_VECTORCALL_ARGUMENTS_OFFSET) { /* the slot before args is ours to use */
+        PyObject **with_self = (PyObject **)args - 1, *saved = with_self[0];
+        with_self[0] = bound->self;
+        res = PyObject_Vectorcall(compiled, with_self, nargs + 1, kwnames);
+        with_self[0] = saved;
+        return res;
+    }
+    all = total < 8 ? stack : PyMem_New(PyObject *, (size_t)total + 1);
+    if (all == NULL) {
+        return PyErr_NoMemory();
+    }
+    all[0] = bound->self;
+    if (total) {
+        memcpy(all + 1, args, (size_t)total * sizeof(PyObject *));
+    }
+    res = PyObject_Vectorcall(compiled, all, nargs + 1, kwnames);
+    if (all != stack) {
+        PyMem_Free(all);
+    }
+    return res;
+}
+
+static PyObject *
+bound_twin_func(PyObject *op, void *unused)
+{
+    return Py_NewRef(((TwinMethodObject *)((BoundTwinObject *)op)->twin)->python);
+}
+
+static PyObject *
+bound_twin_self(PyObject *op, void *unused)
+{
+    return Py_NewRef(((BoundTwinObject *)op)->self);
+}
+
+static PyGetSetDef bound_twin_getset[] = {
+    {"__func__", bound_twin_func, NULL, "The Python twin (what torch.compile traces).", NULL},
+    {"__self__", bound_twin_self, NULL, "The instance.", NULL},
+    {NULL},
+};
+
+static int
+bound_twin_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    Py_VISIT(((BoundTwinObject *)op)->twin);
+    Py_VISIT(((BoundTwinObject *)op)->self);
+    return 0;
+}
+
+static int
+bound_twin_clear(PyObject *op)
+{
+    Py_CLEAR(((BoundTwinObject *)op)->twin);
+    Py_CLEAR(((BoundTwinObject *)op)->self);
+    return 0;
+}
+
+static void
+bound_twin_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    bound_twin_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyTypeObject BoundTwinType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.BoundTwin",
+    .tp_doc = "A TwinMethod bound to an instance: calls the compiled method; __func__ is the "
+              "Python twin.",
+    .tp_basicsize = sizeof(BoundTwinObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_vectorcall_offset = offsetof(BoundTwinObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getset = bound_twin_getset,
+    .tp_dealloc = bound_twin_dealloc,
+    .tp_traverse = bound_twin_traverse,
+    .tp_clear = bound_twin_clear,
+};
+
+static PyObject *
+twin_get(PyObject *op, PyObject *obj, PyObject *type)
+{
+    BoundTwinObject *bound;
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(((TwinMethodObject *)op)->python);
+    }
+    if ((bound = PyObject_GC_New(BoundTwinObject, &BoundTwinType)) == NULL) {
+        return NULL;
+    }
+    bound->vectorcall = bound_twin_vectorcall;
+    bound->twin = Py_NewRef(op);
+    bound->self = Py_NewRef(obj);
+    PyObject_GC_Track(bound);
+    return (PyObject *)bound;
+}
+
+static PyObject *
+twin_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *compiled, *python;
+    TwinMethodObject *self;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)
+        || !PyArg_ParseTuple(args, "OO:TwinMethod", &compiled, &python)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "TwinMethod(compiled, python) takes no keywords");
+        }
+        return NULL;
+    }
+    if (!PyCallable_Check(compiled) || !PyCallable_Check(python)) {
+        PyErr_SetString(PyExc_TypeError, "TwinMethod: compiled and python must be callable");
+        return NULL;
+    }
+    if ((self = (TwinMethodObject *)type->tp_alloc(type, 0)) == NULL) {
+        return NULL;
+    }
+    self->compiled = Py_NewRef(compiled);
+    self->python = Py_NewRef(python);
+    return (PyObject *)self;
+}
+
+static int
+twin_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    Py_VISIT(((TwinMethodObject *)op)->compiled);
+    Py_VISIT(((TwinMethodObject *)op)->python);
+    return 0;
+}
+
+static int
+twin_clear(PyObject *op)
+{
+    Py_CLEAR(((TwinMethodObject *)op)->compiled);
+    Py_CLEAR(((TwinMethodObject *)op)->python);
+    return 0;
+}
+
+static void
+twin_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    twin_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyTypeObject TwinMethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsdk._fastpath.TwinMethod",
+    .tp_doc = "TwinMethod(compiled, python): a method that eager code calls compiled and "
+              "torch.compile traces in Python.",
+    .tp_basicsize = sizeof(TwinMethodObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = twin_new,
+    .tp_descr_get = twin_get,
+    .tp_dealloc = twin_dealloc,
+    .tp_traverse = twin_traverse,
+    .tp_clear = twin_clear,
+};
+
+/* Step.__enter__ and Step.__exit__, compiled (step_methods): the step itself, and
+ * step_end(step._steps, step, exc). */
+static PyObject *
+step_method_enter(PyObject *self, PyObject *unused)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *
+step_method_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *call[3];
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "Step.__exit__ takes 3 arguments");
+        return NULL;
+    }
+    if ((call[0] = SLOT(self, step_slots.steps)) == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "perfsdk: the step has no steps");
+        return NULL;
+    }
+    call[1] = self;
+    call[2] = args[1];
+    return fastpath_step_end(NULL, call, 3);
+}
+
+static PyMethodDef step_method_defs[] = {
+    {"__enter__", step_method_enter, METH_NOARGS, "The step (compiled)."},
+    {"__exit__", (PyCFunction)(void (*)(void))step_method_exit, METH_FASTCALL,
+     "End the step (compiled)."},
+};
+
+/* step_methods() -> (__enter__, __exit__): Step's compiled methods (method descriptors; after
+ * bind_steps), for TwinMethod. */
+static PyObject *
+fastpath_step_methods(PyObject *module, PyObject *unused)
+{
+    PyObject *enter, *leave, *result;
+    if (step_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "step_methods: bind_steps() was not called");
+        return NULL;
+    }
+    if ((enter = PyDescr_NewMethod(step_type, &step_method_defs[0])) == NULL) {
+        return NULL;
+    }
+    if ((leave = PyDescr_NewMethod(step_type, &step_method_defs[1])) == NULL) {
+        Py_DECREF(enter);
+        return NULL;
+    }
+    result = PyTuple_Pack(2, enter, leave);
+    Py_DECREF(enter);
+    Py_DECREF(leave);
+    return result;
+}
+
 /* NodeHook(seq, entries): the backward pre-hook of one hooked node (perfsdk/auto/backward.py,
  * _on_node(seq, entries, grad), compiled). */
 typedef struct {
@@ -3395,6 +3636,8 @@ static PyMethodDef fastpath_methods[] = {
     {"bind_phase", fastpath_bind_phase, METH_VARARGS,
      "bind_phase(phase, __enter__, __exit__) -> (__enter__, __exit__): the with block, "
      "compiled."},
+    {"step_methods", fastpath_step_methods, METH_NOARGS,
+     "step_methods() -> (__enter__, __exit__): Step's with, compiled (after bind_steps)."},
     {"bind_steps", fastpath_bind_steps, METH_VARARGS,
      "bind_steps(steps globals, distributed globals, Steps, Step): for step_start, step_end."},
     {"bind_backward", fastpath_bind_backward, METH_O,
@@ -3427,7 +3670,8 @@ PyInit__fastpath(void)
         || (int_done = PyLong_FromLong(-2)) == NULL || PyType_Ready(&NodeHookType) < 0
         || PyType_Ready(&InnerGateType) < 0 || PyType_Ready(&RssPeakType) < 0
         || PyType_Ready(&ModuleCallType) < 0 || PyType_Ready(&RegionStartType) < 0
-        || PyType_Ready(&PhaseEnterType) < 0 || PyType_Ready(&PhaseExitType) < 0) {
+        || PyType_Ready(&PhaseEnterType) < 0 || PyType_Ready(&PhaseExitType) < 0
+        || PyType_Ready(&TwinMethodType) < 0 || PyType_Ready(&BoundTwinType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
@@ -3452,6 +3696,12 @@ PyInit__fastpath(void)
     Py_INCREF(&ModuleCallType);
     if (PyModule_AddObject(module, "ModuleCall", (PyObject *)&ModuleCallType) < 0) {
         Py_DECREF(&ModuleCallType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&TwinMethodType);
+    if (PyModule_AddObject(module, "TwinMethod", (PyObject *)&TwinMethodType) < 0) {
+        Py_DECREF(&TwinMethodType);
         Py_DECREF(module);
         return NULL;
     }

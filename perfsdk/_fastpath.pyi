@@ -101,6 +101,20 @@ def bind_phase(phase: type, enter: Callable[..., Any], exit: Callable[..., Any],
     instance's ``_enter`` / ``_exit`` and, for an instance without them, ``enter`` / ``exit``."""
 
 
+def step_methods() -> tuple[Any, Any]:
+    """``Step``'s compiled ``__enter__`` and ``__exit__`` (method descriptors; after
+    :func:`bind_steps`), for :class:`TwinMethod`."""
+
+
+class TwinMethod:
+    """A class attribute: an instance's lookup gives a bound method that calls ``compiled``
+    (no Python frame) and whose ``__func__`` is ``python``, which ``torch.compile`` traces; the
+    class's lookup gives ``python``."""
+
+    def __init__(self, compiled: Callable[..., Any], python: Callable[..., Any], /) -> None: ...
+    def __get__(self, obj: object, objtype: type | None = None, /) -> Any: ...
+
+
 def bind_steps(steps_globals: dict[str, Any], distributed_globals: dict[str, Any],
                steps_type: type, step_type: type, /) -> None:
     """Hand ``perfsdk.auto.steps``'s and ``perfsdk.distributed``'s globals, ``Steps`` and

@@ -192,6 +192,9 @@ class Step:
         else:
             step_end(self._steps, self, error)
 
+    # Where perfsdk's compiled module is built, the class takes TwinMethods for these two (at
+    # the end of this module): eager code runs a compiled with block, torch.compile inlines
+    # these (the __func__ of the bound twin).
     def __enter__(self) -> Step:
         return self
 
@@ -388,17 +391,27 @@ Python code runs: dynamo cannot trace a C function, and a step must not break th
 step_end: Callable[[Steps, Step, BaseException | None], None] = Steps._end
 
 
+_STEP_WITH = (Step.__enter__, Step.__exit__)  # the Python methods
+
+
 def python_twins() -> list[tuple[Any, str, Any]]:
     """``(owner, name, pure-Python twin)`` for each of the compiled step paths: the tests swap
     them to run the same checks on both."""
     module = sys.modules[__name__]
-    return [(module, "step_start", _step_python), (module, "step_end", Steps._end)]
+    return [(module, "step_start", _step_python), (module, "step_end", Steps._end),
+            (Step, "__enter__", _STEP_WITH[0]), (Step, "__exit__", _STEP_WITH[1])]
 
 
 _fastpath = _region.compiled_module()
 if _fastpath is not None and _region.exit_region is getattr(_fastpath, "region_exit", None):
     try:
         _fastpath.bind_steps(globals(), vars(_distributed), Steps, Step)
+        # Step's with block, compiled for eager code, while torch.compile traces the Python
+        # methods (TwinMethod: dynamo inlines a bound method's __func__)
+        for _name, _compiled, _python in zip(("__enter__", "__exit__"),
+                                             _fastpath.step_methods(), _STEP_WITH,
+                                             strict=True):
+            setattr(Step, _name, _fastpath.TwinMethod(_compiled, _python))
     except Exception as exc:  # never break the import: the Python twins record the same
         from perfsdk.errors import warn_once
 

@@ -144,7 +144,8 @@ def test_timed_region_as_decorator_inside_compiled_function() -> None:
 def test_steps_inside_compiled_function_do_not_break_the_graph() -> None:
     """DESIGN rule 5 for a step: ``with perfsdk.step()``, a plain ``perfsdk.step()`` call and
     ``Step.end()`` inside compiled code (where the step's start and end are compiled C, which
-    dynamo cannot trace: their Python callers hand it the Python code)."""
+    dynamo cannot trace: their Python callers hand it the Python code, and a Step's ``with``
+    methods are TwinMethods, whose ``__func__`` dynamo inlines)."""
     import perfsdk
     from perfsdk import auto
 

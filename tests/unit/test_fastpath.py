@@ -643,6 +643,63 @@ def test_compiled_steps_leave_no_python_frame_in_the_common_case(
     assert len({s.trace_id for s in steps}) == 5  # each a root: a trace of its own
 
 
+@pytest.mark.skipif(_fastpath is None or not hasattr(_fastpath, "TwinMethod"),
+                    reason="perfsdk._fastpath is not built")
+def test_a_twin_method_calls_the_compiled_and_shows_the_python() -> None:
+    """An instance's lookup calls the compiled callable with the instance first (positional,
+    keyword and many arguments alike); its ``__func__`` and the class's lookup are the Python
+    twin, which is what torch.compile inlines."""
+    def python(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return ("python", args, kwargs)
+
+    def compiled(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return (self, args, kwargs)
+
+    class Owner:
+        method = _fastpath.TwinMethod(compiled, python)
+
+    owner = Owner()
+    assert owner.method(1, 2) == (owner, (1, 2), {})
+    assert owner.method(1, k=3) == (owner, (1,), {"k": 3})
+    bound = owner.method
+    assert bound(*range(12), k=1) == (owner, tuple(range(12)), {"k": 1})
+    assert bound() == (owner, (), {})
+    assert bound.__func__ is python
+    assert bound.__self__ is owner
+    assert Owner.method is python
+    with pytest.raises(TypeError, match="callable"):
+        _fastpath.TwinMethod(compiled, 3)
+
+
+@needs_steps
+def test_a_steps_with_block_takes_no_python_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``with perfsdk.step():`` in eager code: Step's ``__enter__`` and ``__exit__`` are
+    compiled (TwinMethod), so no frame of perfsdk.auto.steps runs; their Python twins are what
+    torch.compile sees (tests/integration/test_compile.py)."""
+    from perfsdk.auto import steps
+
+    with perfsdk.step():  # the step's start is made at the first step, in Python
+        pass
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename == steps.__file__:
+            frames.append(frame.f_code.co_name)
+
+    with capture() as cap:
+        sys.setprofile(profile)
+        try:
+            with perfsdk.step(samples=2) as handle:
+                pass
+        finally:
+            sys.setprofile(None)
+        perfsdk.flush()
+    assert frames == []
+    assert type(handle) is steps.Step
+    assert handle.__exit__.__func__ is steps.python_twins()[3][2]
+    assert [r.attributes["perfsdk.samples"] for r in cap.named("step")] == [2]
+
+
 @needs_steps
 def test_without_a_tool_region_exits_stay_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """No NVTX tool in this process: the nvtx package's dummy domain counts as no domain
