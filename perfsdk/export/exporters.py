@@ -6,6 +6,7 @@ on its export thread and called only there."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from typing import IO, Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.util import ns_to_iso_str
+from opentelemetry.trace import format_span_id
 
 from perfsdk.config import Config
 from perfsdk.errors import MissingDependencyError, warn_once
@@ -154,11 +157,52 @@ def _endpoint_problem(endpoint: str) -> str | None:
     return None
 
 
+_RESOURCE_JSON: dict[int, tuple[Any, str]] = {}
+"""A resource's JSON text by id, with the resource (a reused id is seen): a few at most."""
+
+
+def span_line(span: ReadableSpan) -> str:
+    """``span.to_json(indent=None)`` and a newline: the same text, with the resource's JSON made
+    once per resource. ``to_json`` serializes and parses the resource for every span, about
+    half of its 40 us; the spans of a process share one resource."""
+    resource = span.resource
+    known = _RESOURCE_JSON.get(id(resource))
+    if known is None or known[0] is not resource:
+        if len(_RESOURCE_JSON) >= 8:
+            _RESOURCE_JSON.clear()
+        known = _RESOURCE_JSON[id(resource)] = (
+            resource, json.dumps(json.loads(resource.to_json())))
+    # to_json's dict, in its order, less the resource (appended as text below)
+    parent = span.parent
+    status = {"status_code": str(span._status.status_code.name)}
+    if span._status.description:
+        status["description"] = span._status.description
+    fields = {
+        "name": span._name,
+        "context": ReadableSpan._format_context(span._context) if span._context else None,
+        "kind": str(span.kind),
+        "parent_id": None if parent is None else f"0x{format_span_id(parent.span_id)}",
+        "start_time": ns_to_iso_str(span._start_time) if span._start_time else None,
+        "end_time": ns_to_iso_str(span._end_time) if span._end_time else None,
+        "status": status,
+        "attributes": ReadableSpan._format_attributes(span._attributes),
+        "events": ReadableSpan._format_events(span._events),
+        "links": ReadableSpan._format_links(span._links),
+    }
+    return f'{json.dumps(fields)[:-1]}, "resource": {known[1]}}}\n'
+
+
+def _to_json_line(span: ReadableSpan) -> str:
+    return f"{span.to_json(indent=None)}\n"
+
+
 class _JsonLinesFile(ConsoleSpanExporter):
-    """OTel's console exporter and span JSON, one span per line, to a file opened on first use."""
+    """OTel's console exporter and span JSON, one span per line, to a file opened on first use
+    (:func:`span_line`: OTel's text, made faster; ``to_json`` itself where the SDK's span has
+    changed shape)."""
 
     def __init__(self, output_dir: Path) -> None:
-        super().__init__(formatter=lambda span: span.to_json(indent=None) + "\n")
+        super().__init__(formatter=span_line)
         self.path = output_dir / f"spans-{os.getpid()}.jsonl"
         self._file: IO[str] | None = None
 
@@ -166,7 +210,12 @@ class _JsonLinesFile(ConsoleSpanExporter):
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self._file.write("".join(self.formatter(span) for span in spans))
+        try:
+            text = "".join(self.formatter(span) for span in spans)
+        except AttributeError:  # an SDK whose spans have other fields: their own to_json
+            self.formatter = _to_json_line
+            text = "".join(self.formatter(span) for span in spans)
+        self._file.write(text)
         self._file.flush()
         return SpanExportResult.SUCCESS
 

@@ -1,0 +1,67 @@
+"""The file exporter's span lines: OpenTelemetry's own JSON text (``ReadableSpan.to_json``),
+made without serializing the resource for every span."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from perfsdk.export import exporters
+from perfsdk.export.exporters import span_line
+
+
+def _sdk_spans(resource: Resource) -> list[ReadableSpan]:
+    """Spans of the SDK's own: a root, a child with events, an error and a link."""
+    tracer = TracerProvider(resource=resource).get_tracer("test")
+    with tracer.start_as_current_span("root", attributes={
+            "i": 1, "f": 2.5, "s": "text \"quoted\" é", "b": True, "l": [1, 2]}) as root:
+        with tracer.start_as_current_span("child", kind=SpanKind.CLIENT) as child:
+            child.add_event("marker", {"k": "v"})
+            child.record_exception(KeyError("boom"))
+            child.set_status(Status(StatusCode.ERROR, "KeyError: 'boom'"))
+        linked = tracer.start_span("linked", links=[Link(root.get_span_context(), {"a": 1})])
+        linked.end()
+    return [root, child, linked]  # type: ignore[list-item]
+
+
+def _region_like(resource: Resource) -> ReadableSpan:
+    """A span built as perfsdk.export.spans.region_span builds one: dict attributes, a tuple
+    of events, a parent context, status unset."""
+    context = trace.SpanContext(0x1234, 0x5678, is_remote=False,
+                                trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
+    parent = trace.SpanContext(0x1234, 0x9ABC, is_remote=False)
+    return ReadableSpan("step", context, parent, resource,
+                        {"perfsdk.step": 3, "perfsdk.host_ms": 4.25, "thread.id": 77},
+                        (Event("e", {"x": 1}, 1_700_000_000_123_456_789),), (),
+                        SpanKind.INTERNAL, None, Status(StatusCode.UNSET),
+                        1_700_000_000_000_000_001, 1_700_000_000_004_250_001, None)
+
+
+def test_span_lines_are_the_sdks_own_json_text() -> None:
+    first = Resource.create({"service.name": "svc", "n": 1})
+    second = Resource.create({"service.name": "other"})
+    spans = [*_sdk_spans(first), _region_like(first), *_sdk_spans(second), _region_like(second)]
+    for span in spans * 2:  # the second round reads the resource text made in the first
+        assert span_line(span) == span.to_json(indent=None) + "\n"
+    assert '"service.name": "other"' in span_line(spans[-1])
+
+
+def test_a_span_of_another_shape_falls_back_to_its_to_json(tmp_path: Path) -> None:
+    class Other:
+        resource = Resource.create({})
+
+        def to_json(self, indent: Any = 4) -> str:
+            return '{"name": "other"}'
+
+    exporter = exporters._JsonLinesFile(tmp_path)
+    exporter.export([Other()])  # type: ignore[list-item]
+    exporter.export(_sdk_spans(Resource.create({})))  # to_json from now on: the same text
+    exporter.shutdown()
+    lines = exporter.path.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == '{"name": "other"}'
+    assert [line.startswith('{"name": ') for line in lines] == [True] * 4
