@@ -454,8 +454,12 @@ def child(args: argparse.Namespace) -> int:
     # -- per-call timing on the calling thread, in place (not part of the paired figure) -----
     calls: dict[str, list[int]] = {c: [] for c in CALLS}
     calls_hand: dict[str, list[int]] = {c: [] for c in CALLS}
-    sections: dict[str, dict[str, list[int]]] = {
-        k: {"forward": [], "backward": [], "optimizer": []} for k in ("plain", "instrumented")}
+    # per role of the copies (the probe swaps them halfway, as the blocks do: a copy's own
+    # speed would otherwise read as the instrumentation's)
+    sections: list[dict[str, dict[str, list[int]]]] = [
+        {k: {"forward": [], "backward": [], "optimizer": []} for k in ("plain", "instrumented")}
+        for _ in range(2)]
+    role = 0
 
     def probe_inst() -> None:
         t0 = pc()
@@ -486,7 +490,7 @@ def child(args: argparse.Namespace) -> int:
         for c, ns in zip(CALLS, (t1 - t0, t2 - t1, t4 - t3, t5 - t4b, t7 - t6, t8 - t7,
                                  t10 - t9, t11 - t10), strict=True):
             calls[c].append(ns)
-        sec = sections["instrumented"]
+        sec = sections[role]["instrumented"]
         sec["forward"].append(t3 - t2)
         sec["backward"].append(t6 - t5)
         sec["optimizer"].append(t9 - t8)
@@ -543,16 +547,20 @@ def child(args: argparse.Namespace) -> int:
         t3 = pc()
         plain_opt.step()
         t4 = pc()
-        sec = sections["plain"]
+        sec = sections[role]["plain"]
         sec["forward"].append(t1 - t0)
         sec["backward"].append(t3 - t2)
         sec["optimizer"].append(t4 - t3)
 
     perfsdk.flush()
     for i in range(args.probe_steps):  # each model step paired with a plain one
+        if i == args.probe_steps // 2 and i:  # the second half: the copies' other roles
+            role = 1
+            model, opt, plain, plain_opt = copies
         for fn in ((probe_plain, probe_inst, probe_plain, probe_hand) if i % 2 == 0
                    else (probe_hand, probe_plain, probe_inst, probe_plain)):
             fn()
+    plain, plain_opt, model, opt = copies
     perfsdk.flush()
     primitives = measure_primitives(args, model, opt, x, y, mse, bare, t_forward, forward,
                                     step, push, pop, a_fwd, pc)
@@ -709,9 +717,9 @@ def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict
             }
         calls = _medians_us(c["calls_ns"])
         hand = _medians_us(c["calls_by_hand_ns"])
-        sec = c["sections_ns"]
-        body = {k: (percentile(sec["instrumented"][k], 50) - percentile(sec["plain"][k], 50))
-                / 1e3 for k in sec["plain"]}
+        roles = [r for r in c["sections_ns"] if r["plain"]["forward"]]
+        body = {k: sum(percentile(r["instrumented"][k], 50) - percentile(r["plain"][k], 50)
+                       for r in roles) / len(roles) / 1e3 for k in roles[0]["plain"]}
         configs[name] = {
             "label": c["label"],
             "plain_step_ms": percentile(all_plain, 50) / 1e6,
@@ -809,7 +817,7 @@ def print_table(result: dict[str, Any]) -> None:
                   f"{r['spans_per_step']:>7.2f}")
     print("\ncalling thread, in place: median us per call (full variant, probe steps; by hand: "
           "the same boundaries written by hand), and how much slower the model's own sections "
-          "ran than the plain copy's")
+          "ran than the plain copy's (the mean over the copies' two roles)")
     head = f"{'config':<11}" + "".join(f"{c:>16}" for c in CALLS) + f"{'sum':>8}"
     print(head)
     print("-" * len(head))
