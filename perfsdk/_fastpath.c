@@ -1309,6 +1309,25 @@ static PyTypeObject PhaseExitType = {
 static Py_ssize_t phase_enter_slot, phase_exit_slot;
 static PyObject *phase_enter_python, *phase_exit_python;
 
+/* (defs[0], defs[1]) as method descriptors of `cls`: a with block's compiled __enter__ and
+ * __exit__ (new reference). */
+static PyObject *
+method_pair(PyTypeObject *cls, PyMethodDef *defs)
+{
+    PyObject *enter, *leave, *result;
+    if ((enter = PyDescr_NewMethod(cls, &defs[0])) == NULL) {
+        return NULL;
+    }
+    if ((leave = PyDescr_NewMethod(cls, &defs[1])) == NULL) {
+        Py_DECREF(enter);
+        return NULL;
+    }
+    result = PyTuple_Pack(2, enter, leave);
+    Py_DECREF(enter);
+    Py_DECREF(leave);
+    return result;
+}
+
 static PyObject *
 phase_method_enter(PyObject *self, PyObject *unused)
 {
@@ -1347,7 +1366,7 @@ static PyObject *
 fastpath_bind_phase(PyObject *module, PyObject *args)
 {
     PyTypeObject *cls;
-    PyObject *enter, *leave, *enter_descr, *exit_descr, *result;
+    PyObject *enter, *leave, *result;
     Py_ssize_t enter_slot, exit_slot;
     if (!PyArg_ParseTuple(args, "O!OO:bind_phase", &PyType_Type, &cls, &enter, &leave)) {
         return NULL;
@@ -1360,20 +1379,13 @@ fastpath_bind_phase(PyObject *module, PyObject *args)
         || (exit_slot = slot_offset(cls, "_exit")) < 0) {
         return NULL;
     }
-    if ((enter_descr = PyDescr_NewMethod(cls, &phase_method_defs[0])) == NULL) {
-        return NULL;
-    }
-    if ((exit_descr = PyDescr_NewMethod(cls, &phase_method_defs[1])) == NULL) {
-        Py_DECREF(enter_descr);
+    if ((result = method_pair(cls, phase_method_defs)) == NULL) {
         return NULL;
     }
     phase_enter_slot = enter_slot;
     phase_exit_slot = exit_slot;
     Py_XSETREF(phase_enter_python, Py_NewRef(enter));
     Py_XSETREF(phase_exit_python, Py_NewRef(leave));
-    result = PyTuple_Pack(2, enter_descr, exit_descr);
-    Py_DECREF(enter_descr);
-    Py_DECREF(exit_descr);
     return result;
 }
 
@@ -2594,22 +2606,11 @@ static PyMethodDef step_method_defs[] = {
 static PyObject *
 fastpath_step_methods(PyObject *module, PyObject *unused)
 {
-    PyObject *enter, *leave, *result;
     if (step_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "step_methods: bind_steps() was not called");
         return NULL;
     }
-    if ((enter = PyDescr_NewMethod(step_type, &step_method_defs[0])) == NULL) {
-        return NULL;
-    }
-    if ((leave = PyDescr_NewMethod(step_type, &step_method_defs[1])) == NULL) {
-        Py_DECREF(enter);
-        return NULL;
-    }
-    result = PyTuple_Pack(2, enter, leave);
-    Py_DECREF(enter);
-    Py_DECREF(leave);
-    return result;
+    return method_pair(step_type, step_method_defs);
 }
 
 /* NodeHook(seq, entries): the backward pre-hook of one hooked node (perfsdk/auto/backward.py,
