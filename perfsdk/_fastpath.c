@@ -1551,6 +1551,35 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
     return 1;
 }
 
+/* _Context({**context, key: value}) (new reference). OpenTelemetry's Context is a dict
+ * subclass without a __new__ or __init__ of its own: built as dict(...) builds it, one dict
+ * made and filled here (no copy to hand over, no call through the type); another Context
+ * class is called. */
+static PyObject *
+new_context(PyObject *cls, PyObject *context, PyObject *key, PyObject *value)
+{
+    PyTypeObject *type = (PyTypeObject *)cls;
+    PyObject *made, *values;
+    if (PyType_Check(cls) && type == context_type && type->tp_new == PyDict_Type.tp_new
+        && type->tp_init == PyDict_Type.tp_init) {
+        PyObject *empty = PyTuple_New(0);
+        made = empty == NULL ? NULL : type->tp_new(type, empty, NULL);
+        Py_XDECREF(empty);
+        if (made != NULL && (PyDict_Merge(made, context, 1) < 0
+                             || PyDict_SetItem(made, key, value) < 0)) {
+            Py_CLEAR(made);
+        }
+        return made;
+    }
+    if ((values = PyDict_Copy(context)) == NULL || PyDict_SetItem(values, key, value) < 0) {
+        Py_XDECREF(values);
+        return NULL;
+    }
+    made = PyObject_CallOneArg(cls, values);
+    Py_DECREF(values);
+    return made;
+}
+
 #define FSET(obj, field, value) (SLOT(obj, full_slots.field) = (value))
 
 static PyObject *
@@ -1656,16 +1685,11 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
     }
     if (key == Py_None) {
         token = PyContextVar_Set(current_var, region);
+    } else if ((fn = global(region_globals, s__Context)) == NULL) {
+        goto fail;
     } else {
-        PyObject *values = PyDict_Copy(context), *made;
-        if (values == NULL || PyDict_SetItem(values, key, region) < 0
-            || (fn = global(region_globals, s__Context)) == NULL) {
-            Py_XDECREF(values);
-            goto fail;
-        }
-        made = PyObject_CallOneArg(fn, values);
-        Py_DECREF(values);
-        if (made == NULL) {
+        PyObject *made;
+        if ((made = new_context(fn, context, key, region)) == NULL) {
             goto fail;
         }
         token = PyContextVar_Set(current_var, made);

@@ -700,6 +700,27 @@ def test_a_steps_with_block_takes_no_python_frame(monkeypatch: pytest.MonkeyPatc
     assert [r.attributes["perfsdk.samples"] for r in cap.named("step")] == [2]
 
 
+@needs_region
+def test_a_compiled_region_extends_the_current_opentelemetry_context() -> None:
+    """The compiled start makes the region the current span in a new OpenTelemetry Context
+    that keeps the outer context's values, and its exit restores the outer context."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+
+    token = otel_context.attach(otel_context.set_value("user.key", "kept"))
+    try:
+        outer = otel_context.get_current()
+        with perfsdk.timed_region("ctx.block") as block:
+            current = otel_context.get_current()
+            assert type(current) is type(outer)  # OpenTelemetry's Context, immutable
+            assert otel_context.get_value("user.key") == "kept"
+            assert trace.get_current_span() is block
+        assert otel_context.get_current() is outer
+        assert otel_context.get_value("user.key") == "kept"
+    finally:
+        otel_context.detach(token)
+
+
 @needs_steps
 def test_without_a_tool_region_exits_stay_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """No NVTX tool in this process: the nvtx package's dummy domain counts as no domain
