@@ -44,6 +44,7 @@ import itertools
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -866,6 +867,17 @@ def compiled_module() -> Any:
 
 exit_inner_python = InnerRegion.exit
 """The pure-Python :meth:`InnerRegion.exit` (the compiled one replaces it on the class)."""
+
+
+def python_twins() -> list[tuple[Any, str, Any]]:
+    """``(owner, name, pure-Python twin)`` for each of the compiled region paths (inner
+    entries, a step's region, ``@profiled``'s gate and exit): the tests swap them to run the
+    same checks on both, as with :func:`perfsdk.auto.steps.python_twins` and
+    :func:`perfsdk.phases.python_twins`."""
+    module = sys.modules[__name__]
+    return [(module, "inner_gate", _inner_gate_python), (InnerRegion, "exit", exit_inner_python),
+            (module, "region_starter", _starter_python), (module, "exit_region", _exit_python),
+            (module, "region_opener", _opener_python), (module, "exit_compiled", None)]
 
 _fastpath: Any = None
 if extensions_enabled():

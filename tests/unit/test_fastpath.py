@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -181,6 +182,19 @@ needs_inner = pytest.mark.skipif(
     reason="perfsdk._fastpath is not built (or PERFSDK_DISABLE_EXTENSIONS)")
 
 
+def _twin_modes(monkeypatch: pytest.MonkeyPatch, seed: int,
+                *twins: tuple[Any, str, Any]) -> Iterator[bool]:
+    """True (the compiled paths, as perfsdk chose at import), then False (``twins``, the
+    ``(owner, name, pure-Python twin)`` triples of the ``python_twins()`` functions, swapped
+    in); before each, the id generator seeded with ``seed``, so both runs draw the same ids."""
+    for compiled in (True, False):
+        if not compiled:
+            for owner, name, twin in twins:
+                monkeypatch.setattr(owner, name, twin)
+        monkeypatch.setattr(region, "_getrandbits", random.Random(seed).getrandbits)
+        yield compiled
+
+
 def _entries(gate: Any, clock: FakeClock) -> None:
     """A model region holding nested and sibling inner entries, one raising."""
     with perfsdk.timed_region("model"):
@@ -206,11 +220,9 @@ def test_compiled_inner_entries_record_what_the_python_twin_records(
     and in Python."""
     specs = {name: RegionSpec.create(f"fast.{name}") for name in "abcd"}
     runs = []
-    for compiled in (True, False):
-        if not compiled:
-            monkeypatch.setattr(region.InnerRegion, "exit", region.exit_inner_python)
+    for compiled in _twin_modes(monkeypatch, 1234,
+                                (region.InnerRegion, "exit", region.exit_inner_python)):
         make = _fastpath.InnerGate if compiled else region._inner_gate_python
-        monkeypatch.setattr(region, "_getrandbits", random.Random(1234).getrandbits)
         with use_fake_clock() as clock, capture() as cap:
             _entries(lambda name: make(specs[name]), clock)  # noqa: B023
         t0 = cap.named("model")[0].start_ns  # each fake clock starts at the real time
@@ -516,14 +528,9 @@ def test_compiled_step_regions_record_what_the_python_twin_records(
     perfsdk.auto.end_step()
     handed = _count_python_starts(monkeypatch)
     runs = []
-    for compiled in (True, False):
+    for compiled in _twin_modes(monkeypatch, 99, *region.python_twins(),
+                                *steps.python_twins()):
         monkeypatch.setattr(steps, "_STEP_START", None)
-        if not compiled:
-            monkeypatch.setattr(region, "region_starter", region._starter_python)
-            monkeypatch.setattr(region, "exit_region", region._exit_python)
-            for owner, name, twin in steps.python_twins():
-                monkeypatch.setattr(owner, name, twin)
-        monkeypatch.setattr(region, "_getrandbits", random.Random(99).getrandbits)
         perfsdk.auto.set_schedule(None)  # step indices from 0
         with use_fake_clock() as clock, capture() as cap:
             _steps_run(clock)
@@ -862,11 +869,7 @@ def test_compiled_profiled_gate_records_what_spec_open_records(
     perfsdk.profiled("gate.warm")(lambda: None)()  # the pipeline started, this thread noted
     handed = _count_python_starts(monkeypatch)
     runs = []
-    for compiled in (True, False):
-        if not compiled:
-            monkeypatch.setattr(region, "region_opener", region._opener_python)
-            monkeypatch.setattr(region, "exit_compiled", None)
-        monkeypatch.setattr(region, "_getrandbits", random.Random(7).getrandbits)
+    for compiled in _twin_modes(monkeypatch, 7, *region.python_twins()):
         handed.clear()
         with use_fake_clock() as clock, capture() as cap:
             _profiled_run(clock)  # decorated inside: each run takes the gate of its mode
@@ -935,13 +938,7 @@ def test_compiled_gates_sample_as_the_python_gates_do(monkeypatch: pytest.Monkey
 
         monkeypatch.setattr(RegionSpec, name, counting)
     runs, gates, kinds = [], [], []
-    for compiled in (True, False):
-        if not compiled:
-            monkeypatch.setattr(region, "region_opener", region._opener_python)
-            monkeypatch.setattr(region, "exit_compiled", None)
-            monkeypatch.setattr(region, "inner_gate", region._inner_gate_python)
-            monkeypatch.setattr(region.InnerRegion, "exit", region.exit_inner_python)
-        monkeypatch.setattr(region, "_getrandbits", random.Random(11).getrandbits)
+    for _compiled in _twin_modes(monkeypatch, 11, *region.python_twins()):
         python_gates.clear()
         with use_fake_clock() as clock, capture() as cap:
             kinds.append(_sampled_run(clock))  # built inside: each run, its mode's gates
@@ -998,13 +995,9 @@ def test_compiled_timed_region_records_what_the_python_twin_records(
         pass
     handed = _count_python_starts(monkeypatch)
     runs = []
-    for compiled in (True, False):
+    for compiled in _twin_modes(monkeypatch, 5, *region.python_twins()):
         for spec in list(SPECS):  # the starters made in the other mode go
             object.__setattr__(spec, "starter", None)
-        if not compiled:
-            monkeypatch.setattr(region, "region_starter", region._starter_python)
-            monkeypatch.setattr(region, "exit_region", region._exit_python)
-        monkeypatch.setattr(region, "_getrandbits", random.Random(5).getrandbits)
         handed.clear()
         with use_fake_clock() as clock, capture() as cap:
             _timed_run(clock)

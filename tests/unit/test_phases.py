@@ -18,7 +18,7 @@ import perfsdk.phases as _phases
 from perfsdk import phase
 from perfsdk import region as _region
 from perfsdk.auto import steps as _steps
-from perfsdk.region import InnerRegion, Region
+from perfsdk.region import Region
 from perfsdk.testing import capture
 
 _COMPILED = (_region._fastpath is not None
@@ -34,12 +34,9 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     takes its gate when it is made: after this)."""
     monkeypatch.setattr(_steps, "_STEP_START", None)  # made again at the next step
     if request.param == "python":
-        monkeypatch.setattr(_region, "inner_gate", _region._inner_gate_python)
-        monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
-        monkeypatch.setattr(_region, "region_starter", _region._starter_python)
-        monkeypatch.setattr(_region, "exit_region", _region._exit_python)
-        # Steps.step, Steps._end, Step's with; a phase's with block
-        for owner, name, twin in _steps.python_twins() + _phases.python_twins():
+        # the region paths; Steps.step, Steps._end, Step's with; a phase's with block
+        for owner, name, twin in (_region.python_twins() + _steps.python_twins()
+                                  + _phases.python_twins()):
             monkeypatch.setattr(owner, name, twin)
     return str(request.param)
 
