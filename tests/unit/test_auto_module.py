@@ -43,10 +43,10 @@ def implementation(request: pytest.FixtureRequest,
         assert InnerRegion.exit is not _region.exit_inner_python
         assert _mod._module_call is _region._fastpath.ModuleCall
     else:  # gates are made when a module is instrumented: after this
-        monkeypatch.setattr(_region, "inner_gate", _region._inner_gate_python)
+        for owner, name, twin in _region.python_twins():  # inner gates and exits, ...
+            monkeypatch.setattr(owner, name, twin)
         monkeypatch.setattr(_bwd, "_make_hook", _bwd._partial(_bwd._partial, _bwd._on_node))
         monkeypatch.setattr(_mod, "_track", _bwd.track_python)
-        monkeypatch.setattr(InnerRegion, "exit", _region.exit_inner_python)
         monkeypatch.setattr(_mod, "_module_call", None)
     return str(request.param)
 

@@ -38,9 +38,8 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     pure-Python twins."""
     monkeypatch.setattr(_steps, "_STEP_START", None)  # made again at the next step
     if request.param == "python":
-        monkeypatch.setattr(_region, "region_starter", _region._starter_python)
-        monkeypatch.setattr(_region, "exit_region", _region._exit_python)
-        for owner, name, twin in _steps.python_twins():  # Steps.step, Steps._end, Step's with
+        # the region paths; Steps.step, Steps._end, Step's with
+        for owner, name, twin in _region.python_twins() + _steps.python_twins():
             monkeypatch.setattr(owner, name, twin)
     return str(request.param)
 
