@@ -1,10 +1,12 @@
-"""Build the optional compiled hot path, ``perfsdk._fastpath`` (the rest is in pyproject.toml).
+"""Build the optional compiled modules, ``perfsdk._fastpath`` (the hot path) and
+``perfsdk.export._spanbuild`` (spans on the export thread); the rest is in pyproject.toml.
 
-The extension is optional: without a C compiler, or when it fails to compile, the install goes
-on and perfsdk uses its pure-Python paths (setuptools prints a warning). Its NVTX part needs the
-NVTX v3 headers (``nvtx3/nvToolsExt.h``): ``$NVTX_INCLUDE_DIR``, else the include directory
-beside ``nvcc``, ``$CUDA_HOME``/``$CUDA_PATH``, ``/usr/local/cuda`` or ``/usr/local/cuda-*``;
-without them the module is built without it. ``PERFSDK_BUILD_EXTENSIONS=0`` skips the build.
+The extensions are optional: without a C compiler, or when one fails to compile, the install
+goes on and perfsdk uses its pure-Python paths (setuptools prints a warning). The hot path's
+NVTX part needs the NVTX v3 headers (``nvtx3/nvToolsExt.h``): ``$NVTX_INCLUDE_DIR``, else the
+include directory beside ``nvcc``, ``$CUDA_HOME``/``$CUDA_PATH``, ``/usr/local/cuda`` or
+``/usr/local/cuda-*``; without them the module is built without it.
+``PERFSDK_BUILD_EXTENSIONS=0`` skips the build.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def extensions() -> list[Extension]:
     if sys.implementation.name != "cpython":
         return []
     include = nvtx_include()
-    return [Extension(
+    spans = Extension("perfsdk.export._spanbuild", sources=["perfsdk/export/_spanbuild.c"],
+                      optional=True)
+    return [spans, Extension(
         "perfsdk._fastpath",
         sources=["perfsdk/_fastpath.c"],
         include_dirs=[include] if include else [],

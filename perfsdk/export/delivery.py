@@ -54,6 +54,18 @@ REASONS = ("queue_full", "backing_off", "export_failed", "export_timeout", "shut
 
 Clock = Callable[[], float]
 
+BUILD_CHUNK = 128
+"""Spans the export thread builds at a time. Building holds the GIL (about 0.7 us a span
+compiled, 1.5 us in Python); between chunks the thread rests :data:`PACE_S`, so a training
+thread that wants the GIL back waits at most a chunk's work (0.1 to 0.2 ms), never a whole
+batch's (milliseconds at 2,048 spans, and Python lets a busy thread keep the GIL up to its 5 ms
+switch interval). No rest while someone waits (a flush, exit)."""
+
+PACE_S = 0.0002
+"""The export thread's rest between two chunks of a batch it builds (see :data:`BUILD_CHUNK`)."""
+
+_rest = time.sleep
+
 
 class Backoff:
     """Exponential backoff with jitter and a cap; ``clock`` and ``rng`` are injectable."""
@@ -439,12 +451,25 @@ class Destination:
                 return [queue.popleft() for _ in range(n)]
             self._cond.wait(due)
 
+    def _spans(self, batch: list[Any]) -> Sequence[Any]:
+        """The batch's spans, built :data:`BUILD_CHUNK` at a time with a rest between chunks
+        unless someone waits."""
+        build = self._build
+        if len(batch) <= BUILD_CHUNK:
+            return build(batch)
+        spans: list[Any] = []
+        for start in range(0, len(batch), BUILD_CHUNK):
+            if start and not self._flushing and self._closing is None:
+                _rest(PACE_S)
+            spans.extend(build(batch[start:start + BUILD_CHUNK]))
+        return spans
+
     def _export(self, exporter: Any, batch: list[Any]) -> tuple[bool, str]:
         if exporter is None:
             return False, "export_failed"
         with capture_logs() as said:
             try:
-                result = exporter.export(self._build(batch))
+                result = exporter.export(self._spans(batch))
                 text = " ".join(said)
             except Exception as exc:
                 result = None

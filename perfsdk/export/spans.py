@@ -21,8 +21,9 @@ from perfsdk import _device, clocks
 from perfsdk import gpu as _gpu
 from perfsdk import record as _record
 from perfsdk._version import __version__
-from perfsdk.config import Config
+from perfsdk.config import Config, extensions_enabled
 from perfsdk.context import span_context
+from perfsdk.errors import warn_once
 from perfsdk.memory import memory_attributes
 from perfsdk.record import (
     ATTRS,
@@ -41,7 +42,8 @@ from perfsdk.record import (
     Record,
 )
 
-__all__ = ["SCOPE", "build_resource", "region_attributes", "region_span"]
+__all__ = ["SCOPE", "build_resource", "build_spans", "build_spans_python", "region_attributes",
+           "region_span"]
 
 SCOPE = InstrumentationScope("perfsdk", __version__)
 
@@ -169,3 +171,90 @@ def region_span(rec: Record, resource: Resource,
         clocks.epoch_ns(rec[T1]),
         SCOPE,
     )
+
+
+def build_spans_python(items: Sequence[Any], resource: Resource,
+                       ranks: Mapping[str, Any]) -> list[ReadableSpan]:
+    """Region records (tuples) become spans; the application's own spans pass as they are."""
+    return [region_span(it, resource, ranks) if type(it) is tuple else it for it in items]
+
+
+class _Compiled:
+    """The compiled twin of :func:`build_spans_python` (``perfsdk.export._spanbuild``), where
+    it is built: the same spans at a quarter of the export thread's time. It is trusted only
+    after it built one batch exactly as the Python twin did (every field, in the same order,
+    attributes included): until then each batch is built both ways and the Python spans
+    exported; a difference (another OpenTelemetry SDK, say) turns it off for good."""
+
+    def __init__(self) -> None:
+        self.builder: Any = None
+        self.checked = False
+        if not extensions_enabled():
+            return
+        try:
+            from perfsdk.export._spanbuild import SpanBuilder
+        except ImportError:  # optional: built at install where a C compiler is found
+            return
+        probe = span_context(1, 1)
+        fields = vars(ReadableSpan("", probe, None, Resource({}), {}, _NO_EVENTS, (),
+                                   SpanKind.INTERNAL, None, _UNSET, 0, 0, SCOPE))
+        if probe is not None:
+            self.builder = SpanBuilder(ReadableSpan, type(probe), probe.trace_flags,
+                                       probe.trace_state, dict(fields), SPECS, region_span)
+
+    def __call__(self, items: Sequence[Any], resource: Resource,
+                 ranks: Mapping[str, Any]) -> list[ReadableSpan] | None:
+        """The spans, or None where only the Python twin builds them."""
+        builder = self.builder
+        if builder is None or _gpu.TELEMETRY.window is not None or type(ranks) is not dict:
+            return None
+        spans: list[ReadableSpan] = builder(items, resource, ranks, clocks.epoch_ns(0))
+        if self.checked:
+            return spans
+        expected = build_spans_python(items, resource, ranks)
+        if all(same_span(a, b) for a, b in zip(spans, expected, strict=True)):
+            self.checked = self.checked or any(map(_plain, items))
+        else:
+            self.builder = None
+            warn_once("spanbuild", "perfsdk: the compiled span builder disagrees with this "
+                      "OpenTelemetry SDK's spans; using the pure-Python builder.")
+        return expected
+
+
+def _plain(item: Any) -> bool:
+    """A record the compiled builder builds itself (no error, events or memory readings)."""
+    return type(item) is tuple and item[ERROR] is None and item[EVENTS] is None and \
+        item[MEMORY] is None
+
+
+def same_span(a: Any, b: Any) -> bool:
+    """Whether two spans are the same, field for field and in the same order (events and
+    statuses, made afresh for each span, by what they hold)."""
+    if type(a) is not type(b) or not isinstance(a, ReadableSpan):
+        return a is b
+    return (_fields(a) == _fields(b) and type(a.context) is type(b.context)
+            and type(a.parent) is type(b.parent))
+
+
+def _fields(span: ReadableSpan) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in vars(span).items():
+        if key == "_events":
+            value = [(e.name, list((e.attributes or {}).items()), e.timestamp) for e in value]
+        elif key == "_status" and isinstance(value, Status):
+            value = (value.status_code, value.description)
+        elif key == "_attributes":
+            value = list((value or {}).items())
+        out.append((key, value))
+    return out
+
+
+COMPILED = _Compiled()
+
+
+def build_spans(items: Sequence[Any], resource: Resource,
+                ranks: Mapping[str, Any]) -> list[ReadableSpan]:
+    """:func:`build_spans_python`, compiled where :data:`COMPILED` is built and checked
+    (``ranks``: :func:`perfsdk.distributed.rank_attributes`, read once for the batch)."""
+    spans = COMPILED(items, resource, ranks)
+    return build_spans_python(items, resource, ranks) if spans is None else spans

@@ -25,6 +25,7 @@ from typing import Any
 
 from perfsdk import _device, clocks, region
 from perfsdk.config import get_config
+from perfsdk.distributed import rank_attributes
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import RegionResult, to_result
 from perfsdk.testing.fake_cuda import (
@@ -57,13 +58,15 @@ class Capture:
         results = [to_result(r) for r in records]
         spans: list[Any] = []
         try:
-            from perfsdk.export.otel import build_resource, region_span
+            from perfsdk.export.otel import build_resource
+            from perfsdk.export.spans import build_spans
         except ImportError:  # no OpenTelemetry SDK: regions only
             pass
         else:
             if self._resource is None:
                 self._resource = build_resource(get_config())
-            spans = [region_span(r, self._resource) for r in records]
+            # As the span sink's exporters get them (compiled where it is built).
+            spans = build_spans(records, self._resource, rank_attributes())
         with self._lock:
             self.regions.extend(results)
             self.spans.extend(spans)

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from perfsdk.export.delivery import REASONS, Backoff, Destination, classify
+from perfsdk.export import delivery
+from perfsdk.export.delivery import BUILD_CHUNK, PACE_S, REASONS, Backoff, Destination, classify
 
 LONG = 30.0  # the most any wait here may take; reached only when the code under test is broken
 
@@ -163,6 +164,50 @@ def test_a_partial_batch_waits_for_the_delay_a_full_one_goes_at_once() -> None:
     assert exporter.entered.wait(LONG)
     assert d.flush(time.monotonic() + LONG)
     assert exporter.batches == [10]
+
+
+class Keeping(Controlled):
+    """Also keeps what each export call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[Any] = []
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self.spans.extend(spans)
+        return super().export(spans)
+
+
+def test_a_large_batch_is_built_in_chunks_with_a_rest_between_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rests: list[float] = []
+    monkeypatch.setattr(delivery, "_rest", rests.append)
+    chunks: list[tuple[int, str]] = []
+
+    def build(items: list[Any]) -> list[Any]:
+        chunks.append((len(items), threading.current_thread().name))
+        return [f"span {item}" for item in items]
+
+    exporter = Keeping()
+    n = 2 * BUILD_CHUNK + 44
+    d = Destination("test", "the test's exporter", lambda: exporter, build, queue_size=4 * n,
+                    batch_size=n, delay=LONG, backoff=Backoff(1e-3, 1e-3))
+    d.offer(list(range(n)))  # a full batch: exported at once, nobody waiting for it
+    assert exporter.entered.wait(LONG)
+    assert [size for size, _ in chunks] == [BUILD_CHUNK, BUILD_CHUNK, 44]
+    assert {thread for _, thread in chunks} == {"perfsdk-export-test"}
+    assert rests == [PACE_S, PACE_S]  # between chunks, not after the last
+    assert exporter.spans == [f"span {i}" for i in range(n)]  # one export call, in order
+    assert exporter.batches == [n]
+    # Someone waits (a flush): the same chunks, no rest.
+    del chunks[:], rests[:]
+    d.offer(list(range(n - 1)))  # a partial batch: it goes at the flush
+    assert d.flush(time.monotonic() + LONG)
+    assert [size for size, _ in chunks] == [BUILD_CHUNK, BUILD_CHUNK, 43]
+    assert rests == []
+    assert exporter.batches == [n, n - 1]
+    d.close(time.monotonic() + LONG)
+    identity(d)
 
 
 # -- failures, backoff and recovery ---------------------------------------------------------
