@@ -27,7 +27,9 @@ typedef struct {
     PyObject *template;     /* ReadableSpan's __dict__ in __init__'s order, constants filled */
     PyObject *specs;        /* perfsdk.record.SPECS */
     PyObject *slow;         /* region_span(record, resource, ranks) */
-    PyObject *declared;     /* by spec index: (name, dict of its attributes), or None */
+    PyObject *declared;     /* by spec index: see declared(), or None */
+    PyObject *last_trace;   /* the last trace id seen, and whether it is valid */
+    int last_valid;
 } SpanBuilderObject;
 
 static PyObject *k_name, *k_context, *k_parent, *k_start, *k_end, *k_attributes, *k_resource;
@@ -46,6 +48,7 @@ spanbuilder_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(self->specs);
     Py_VISIT(self->slow);
     Py_VISIT(self->declared);
+    Py_VISIT(self->last_trace);
     return 0;
 }
 
@@ -61,6 +64,7 @@ spanbuilder_clear(PyObject *op)
     Py_CLEAR(self->specs);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->declared);
+    Py_CLEAR(self->last_trace);
     return 0;
 }
 
@@ -111,17 +115,46 @@ within(PyObject *value, PyObject *end)
     return PyObject_RichCompareBool(value, end, Py_LT);
 }
 
-/* perfsdk.context's span_context(trace_id, span_id): the SpanContext tuple, sampled, local. */
+/* 0 < span_id < 2**64, as Python compares them: one conversion for an int; -1 on error. */
+static int
+valid_span(PyObject *span_id)
+{
+    unsigned long long value;
+    if (!PyLong_CheckExact(span_id)) {
+        return within(span_id, span_end);
+    }
+    value = PyLong_AsUnsignedLongLong(span_id);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return -1;
+        }
+        PyErr_Clear(); /* negative, or 2**64 and above */
+        return 0;
+    }
+    return value != 0;
+}
+
+/* perfsdk.context's span_context(trace_id, span_id): the SpanContext tuple, sampled, local.
+ * A batch's records mostly share their trace id (one object): its validity is kept. */
 static PyObject *
 span_context(SpanBuilderObject *self, PyObject *trace_id, PyObject *span_id)
 {
     PyObject *ctx;
-    int valid = within(trace_id, trace_end);
-    if (valid > 0) {
-        valid = within(span_id, span_end);
+    int valid;
+    if (trace_id != self->last_trace) {
+        valid = within(trace_id, trace_end);
+        if (valid < 0) {
+            return NULL;
+        }
+        Py_XSETREF(self->last_trace, Py_NewRef(trace_id));
+        self->last_valid = valid;
     }
-    if (valid < 0) {
-        return NULL;
+    valid = self->last_valid;
+    if (valid) {
+        valid = valid_span(span_id);
+        if (valid < 0) {
+            return NULL;
+        }
     }
     ctx = ((PyTypeObject *)self->context_type)->tp_alloc((PyTypeObject *)self->context_type, 6);
     if (ctx == NULL) {
@@ -136,13 +169,14 @@ span_context(SpanBuilderObject *self, PyObject *trace_id, PyObject *span_id)
     return ctx;
 }
 
-/* The spec's name and a dict of its declared attributes (a spec is immutable: read once). A
- * borrowed reference; NULL with an error set, or without one where the spec's attributes are
- * not a mapping this reads. */
+/* The spec's name, a dict of its declared attributes, and that dict followed by the keys a
+ * span adds (host_ms and thread.id; host_ms, device_ms and thread.id) in the order it adds
+ * them (a spec is immutable: read once). A borrowed reference; NULL with an error set, or
+ * without one where the spec's attributes are not a mapping this reads. */
 static PyObject *
 declared(SpanBuilderObject *self, Py_ssize_t i)
 {
-    PyObject *spec, *name, *attrs, *proxy, *entry;
+    PyObject *spec, *name, *attrs, *proxy, *entry, *host, *device;
     while (PyList_GET_SIZE(self->declared) <= i) {
         if (PyList_Append(self->declared, Py_None) < 0) {
             return NULL;
@@ -169,13 +203,21 @@ declared(SpanBuilderObject *self, Py_ssize_t i)
         return NULL;
     }
     name = PyObject_GetAttr(spec, s_name);
-    if (name == NULL) {
-        Py_DECREF(attrs);
-        return NULL;
+    host = name == NULL ? NULL : PyDict_Copy(attrs);
+    device = host == NULL ? NULL : PyDict_Copy(attrs);
+    if (device == NULL || PyDict_SetItem(host, a_host_ms, Py_None) < 0
+        || PyDict_SetItem(host, a_thread_id, Py_None) < 0
+        || PyDict_SetItem(device, a_host_ms, Py_None) < 0
+        || PyDict_SetItem(device, a_device_ms, Py_None) < 0
+        || PyDict_SetItem(device, a_thread_id, Py_None) < 0) {
+        entry = NULL;
+    } else {
+        entry = PyTuple_Pack(4, name, attrs, host, device);
     }
-    entry = PyTuple_Pack(2, name, attrs);
-    Py_DECREF(name);
+    Py_XDECREF(name);
     Py_DECREF(attrs);
+    Py_XDECREF(host);
+    Py_XDECREF(device);
     if (entry == NULL) {
         return NULL;
     }
@@ -185,14 +227,65 @@ declared(SpanBuilderObject *self, Py_ssize_t i)
     return entry;
 }
 
-/* region_attributes(rec, ranks) for a record without memory readings (``declared``: the
- * spec's own); NULL with no error set when the record is not one this builds (the caller
- * takes region_span). */
+/* Python's (t1 - t0) / 1e6, t0 + anchor: in C where the numbers are ints that fit. */
 static PyObject *
-attributes(PyObject *declared, PyObject *rec, PyObject *ranks)
+host_ms(PyObject *t0, PyObject *t1)
 {
-    PyObject *attrs, *extra, *host, *diff, *device;
-    attrs = PyDict_Copy(declared);
+    PyObject *diff, *ms;
+    int over0 = 1, over1 = 1;
+    long long a = 0, b = 0, d;
+    if (PyLong_CheckExact(t0) && PyLong_CheckExact(t1)) {
+        a = PyLong_AsLongLongAndOverflow(t0, &over0);
+        b = PyLong_AsLongLongAndOverflow(t1, &over1);
+    }
+    if (!over0 && !over1 && !__builtin_sub_overflow(b, a, &d)) {
+        return PyFloat_FromDouble((double)d / 1e6);
+    }
+    PyErr_Clear();
+    diff = PyNumber_Subtract(t1, t0);
+    if (diff == NULL) {
+        return NULL;
+    }
+    ms = PyNumber_TrueDivide(diff, million);
+    Py_DECREF(diff);
+    return ms;
+}
+
+static PyObject *
+add(PyObject *anchor, PyObject *t)
+{
+    int over0 = 1, over1 = 1;
+    long long a = 0, b = 0, sum;
+    if (PyLong_CheckExact(anchor) && PyLong_CheckExact(t)) {
+        a = PyLong_AsLongLongAndOverflow(anchor, &over0);
+        b = PyLong_AsLongLongAndOverflow(t, &over1);
+    }
+    if (!over0 && !over1 && !__builtin_add_overflow(a, b, &sum)) {
+        return PyLong_FromLongLong(sum);
+    }
+    PyErr_Clear();
+    return PyNumber_Add(anchor, t);
+}
+
+/* region_attributes(rec, ranks) for a record without memory readings (``entry``: the spec's
+ * from declared()); NULL with no error set when the record is not one this builds (the
+ * caller takes region_span). */
+static PyObject *
+attributes(PyObject *entry, PyObject *rec, PyObject *ranks)
+{
+    PyObject *attrs, *extra, *host, *device;
+    extra = PyTuple_GET_ITEM(rec, ATTRS);
+    device = PyTuple_GET_ITEM(rec, DEVICE_MS);
+    if ((extra == Py_None || (PyDict_CheckExact(extra) && !PyDict_GET_SIZE(extra)))
+        && !PyDict_GET_SIZE(ranks)) {
+        /* the common case: the spec's attributes, then ours, from a dict of that shape */
+        attrs = PyDict_Copy(PyTuple_GET_ITEM(entry, device == Py_None ? 2 : 3));
+        if (attrs == NULL) {
+            return NULL;
+        }
+        goto ours;
+    }
+    attrs = PyDict_Copy(PyTuple_GET_ITEM(entry, 1));
     if (attrs == NULL) {
         return NULL;
     }
@@ -209,12 +302,8 @@ attributes(PyObject *declared, PyObject *rec, PyObject *ranks)
     if (PyDict_GET_SIZE(ranks) && PyDict_Update(attrs, ranks) < 0) {
         goto error;
     }
-    diff = PyNumber_Subtract(PyTuple_GET_ITEM(rec, T1), PyTuple_GET_ITEM(rec, T0));
-    if (diff == NULL) {
-        goto error;
-    }
-    host = PyNumber_TrueDivide(diff, million);
-    Py_DECREF(diff);
+ours:
+    host = host_ms(PyTuple_GET_ITEM(rec, T0), PyTuple_GET_ITEM(rec, T1));
     if (host == NULL) {
         goto error;
     }
@@ -223,7 +312,6 @@ attributes(PyObject *declared, PyObject *rec, PyObject *ranks)
         goto error;
     }
     Py_DECREF(host);
-    device = PyTuple_GET_ITEM(rec, DEVICE_MS);
     if (device != Py_None && PyDict_SetItem(attrs, a_device_ms, device) < 0) {
         goto error;
     }
@@ -264,7 +352,7 @@ build_one(SpanBuilderObject *self, PyObject *rec, PyObject *resource, PyObject *
         return NULL;
     }
     name = PyTuple_GET_ITEM(entry, 0);
-    attrs = attributes(PyTuple_GET_ITEM(entry, 1), rec, ranks);
+    attrs = attributes(entry, rec, ranks);
     if (attrs == NULL) {
         return NULL;
     }
@@ -282,8 +370,8 @@ build_one(SpanBuilderObject *self, PyObject *rec, PyObject *resource, PyObject *
     if (parent == NULL) {
         goto done;
     }
-    start = PyNumber_Add(anchor, PyTuple_GET_ITEM(rec, T0));
-    end = start == NULL ? NULL : PyNumber_Add(anchor, PyTuple_GET_ITEM(rec, T1));
+    start = add(anchor, PyTuple_GET_ITEM(rec, T0));
+    end = start == NULL ? NULL : add(anchor, PyTuple_GET_ITEM(rec, T1));
     if (end == NULL) {
         goto done;
     }
