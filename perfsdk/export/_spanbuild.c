@@ -324,6 +324,20 @@ error:
     return NULL;
 }
 
+/* Leave a new span's containers out of the garbage collector's lists. Nothing a span holds
+ * refers back to it, so it is never part of a reference cycle and the collector has nothing to
+ * find in it; reference counting frees it. Tracked, a batch of 2,048 spans alive while it is
+ * built survives the young collections its own allocations start, is promoted, and soon sets
+ * off a full collection: measured, one of 70 ms (the GIL held all along, 180k objects with
+ * torch loaded) every ~50k spans, 1.4 us a span, more than building them. */
+static void
+untrack(PyObject *op)
+{
+    if (op != Py_None && PyObject_IS_GC(op) && PyObject_GC_IsTracked(op)) {
+        PyObject_GC_UnTrack(op);
+    }
+}
+
 /* One record's span, or NULL: with an error set on failure, without one where the record
  * is not plain (region_span builds it). */
 static PyObject *
@@ -387,6 +401,13 @@ build_one(SpanBuilderObject *self, PyObject *rec, PyObject *resource, PyObject *
     span = PyBaseObject_Type.tp_new((PyTypeObject *)self->span_type, no_args, NULL);
     if (span != NULL && PyObject_GenericSetDict(span, fields, NULL) < 0) {
         Py_CLEAR(span);
+    }
+    if (span != NULL) { /* see untrack() */
+        untrack(span);
+        untrack(fields);
+        untrack(attrs);
+        untrack(ctx);
+        untrack(parent);
     }
 done:
     Py_XDECREF(attrs);

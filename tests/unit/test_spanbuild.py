@@ -4,6 +4,7 @@ plain ones itself; and it is trusted only after a batch of its own agreed."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -131,6 +132,14 @@ def test_compiled_spans_are_the_python_spans(kept: _Keep, ranks: dict[str, Any])
     assert compiled[-2].parent is None or compiled[-2].parent == expected[-2].parent
     if ranks:
         assert all(s.attributes["perfsdk.world_size"] == 2 for s in compiled[:-1])
+    # What it builds itself stays out of the garbage collector's lists (see untrack() in
+    # _spanbuild.c); the Python-built ones are tracked as usual.
+    plain = by_name["outer"]
+    for obj in (plain, vars(plain), plain._attributes, plain.context, by_name["plain"].parent):
+        assert obj is not None
+        assert not gc.is_tracked(obj)
+    assert gc.is_tracked(expected[records.index(next(
+        r for r in records if SPECS[r[0]].name == "outer"))])
 
 
 def test_a_builder_is_checked_before_it_is_trusted(kept: _Keep,
