@@ -95,8 +95,9 @@ PERFSDK_DISABLE_EXTENSIONS: Final = "PERFSDK_DISABLE_EXTENSIONS"
 compiler is present) and use the pure-Python paths: ``1``/``0``. Default ``0``. Read once, at
 import. The compiled path runs NVTX-only mode's push, call and pop in one C call, reads
 memory=True's RSS without building a ``struct_rusage``, and runs ``instrument_module``'s
-per-module entries and backward hooks in C; both paths record the same ranges, regions and
-readings."""
+per-module entries and backward hooks in C; the export threads build spans with
+``perfsdk.export._spanbuild``; both paths record the same ranges, regions, readings and
+spans."""
 
 PERFSDK_MEMORY: Final = "PERFSDK_MEMORY"
 """Record memory per region by default: ``1``/``0``. Default ``0``. On CUDA: allocated and

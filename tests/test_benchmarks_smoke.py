@@ -382,3 +382,28 @@ def test_step_overhead_block_ratio_cancels_the_pair_order_effect(monkeypatch):
     assert block_ratio(ratios) == pytest.approx(overhead)
     assert block_ratio([1.02] * 7) == pytest.approx(1.02)  # an odd count: both orders there
     assert block_ratio([1.03]) == pytest.approx(1.03)  # one pair: its ratio
+
+
+# -- benchmarks/stalls.py ------------------------------------------------------------------------
+STALLS_SCRIPT = REPO_ROOT / "benchmarks" / "stalls.py"
+
+
+def test_stalls_benchmark_shape_and_its_spans(tmp_path: Path) -> None:
+    """Deterministic, not a timing: every arm ran; each decorated call's span reached the
+    exporter (warm-up included); the compiled arm is there where the module is built."""
+    import importlib.util
+
+    result, stdout = run_quick(STALLS_SCRIPT, tmp_path / "stalls.json")
+    settings = result["settings"]
+    assert settings["quick"] is True
+    built = importlib.util.find_spec("perfsdk.export._spanbuild") is not None
+    assert settings["compiled_builder"] is built
+    assert set(result["arms"]) == ({"bare", "compiled", "python"} if built
+                                   else {"bare", "python"})
+    decorated = len(result["arms"]) - 1
+    assert result["spans_exported"] == 200 + decorated * settings["repeats"] * settings["calls"]
+    for name, arm in result["arms"].items():
+        assert positive(arm["median_us"]), name
+        assert arm["median_us"] * 1e-3 <= arm["p999_ms"] <= arm["max_ms"], name
+        assert 0 <= arm["over_10ms"] <= arm["over_1ms"] <= settings["calls"], name
+        assert f"{name:<10}" in stdout
