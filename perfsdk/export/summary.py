@@ -237,16 +237,24 @@ class SummarySink:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._acc: dict[str, _Acc] = {}
+        self._by_spec: dict[int, _Acc] = {}
+        """The same accumulators by spec index (specs of one name share theirs)."""
+
+    def _acc_of(self, index: int) -> _Acc:
+        name = SPECS[index].name
+        acc = self._acc.get(name)
+        if acc is None:
+            acc = self._acc[name] = _Acc()
+        self._by_spec[index] = acc
+        return acc
 
     def consume(self, records: list[Any]) -> None:
-        specs = SPECS
         with self._lock:
-            acc_by_name = self._acc
+            by_spec = self._by_spec
             for rec in records:
-                name = specs[rec[SPEC]].name
-                acc = acc_by_name.get(name)
+                acc = by_spec.get(rec[SPEC])
                 if acc is None:
-                    acc = acc_by_name[name] = _Acc()
+                    acc = self._acc_of(rec[SPEC])
                 acc.host.add((rec[T1] - rec[T0]) / 1e6)
                 device_ms = rec[DEVICE_MS]
                 if device_ms is not None:
@@ -284,10 +292,12 @@ class SummarySink:
         and an empty table."""
         self._lock = threading.Lock()
         self._acc = {}
+        self._by_spec = {}
 
     def reset(self) -> None:
         with self._lock:
             self._acc.clear()
+            self._by_spec.clear()
 
     def snapshot(self) -> Summary:
         with self._lock:

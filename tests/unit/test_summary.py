@@ -217,6 +217,31 @@ def test_reservoir_through_the_pipeline(monkeypatch, captured):
     assert min(host) <= table["many"].p50_ms <= max(host)
 
 
+def test_regions_of_one_name_share_a_row_and_a_reset_starts_them_afresh():
+    first = timed_region("shared-name")
+    second = timed_region("shared-name", attributes={"k": 1})  # another spec, the same name
+    for _ in range(3):
+        with first:
+            pass
+        with second:
+            pass
+    PIPELINE.drain(wait=True)
+    (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
+    assert row.count == 6
+    lifecycle.SUMMARY.reset()
+    with second:
+        pass
+    PIPELINE.drain(wait=True)
+    (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
+    assert row.count == 1
+    lifecycle.SUMMARY.after_fork()
+    with first:
+        pass
+    PIPELINE.drain(wait=True)
+    (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
+    assert row.count == 1
+
+
 def test_summary_after_fork_starts_empty():
     @profiled("parent-only")
     def f():
