@@ -5,7 +5,8 @@
  * becomes the ReadableSpan that region_span() builds, field for field, in the order its
  * __init__ sets them; any other record goes to region_span itself, and an item that is not a
  * record (the application's own span) passes as it is. perfsdk/export/spans.py builds one and
- * uses it only after comparing what it makes with region_span's spans (compiled_builder()).
+ * trusts it only after a batch of its spans matched region_span's (spans.COMPILED). The spans
+ * it builds itself stay out of the garbage collector's lists (see untrack()).
  *
  * A span is the export thread's work: the caller never runs this. On the export thread it is
  * the cost per span that matters, because on a busy training thread that releases the GIL for
@@ -227,21 +228,33 @@ declared(SpanBuilderObject *self, Py_ssize_t i)
     return entry;
 }
 
-/* Python's (t1 - t0) / 1e6, t0 + anchor: in C where the numbers are ints that fit. */
+/* An exact int within +-2**62 (so that a sum or difference of two cannot overflow) in *out;
+ * 0 where it is not one (no error set). */
+static int
+small_int(PyObject *value, long long *out)
+{
+    int overflow = 0;
+    if (!PyLong_CheckExact(value)) {
+        return 0;
+    }
+    *out = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    return *out > -(1LL << 62) && *out < (1LL << 62);
+}
+
+/* Python's (t1 - t0) / 1e6: in C where both are such ints (a double from a long long is
+ * correctly rounded, as int / float rounds the int). */
 static PyObject *
 host_ms(PyObject *t0, PyObject *t1)
 {
     PyObject *diff, *ms;
-    int over0 = 1, over1 = 1;
-    long long a = 0, b = 0, d;
-    if (PyLong_CheckExact(t0) && PyLong_CheckExact(t1)) {
-        a = PyLong_AsLongLongAndOverflow(t0, &over0);
-        b = PyLong_AsLongLongAndOverflow(t1, &over1);
+    long long a, b;
+    if (small_int(t0, &a) && small_int(t1, &b)) {
+        return PyFloat_FromDouble((double)(b - a) / 1e6);
     }
-    if (!over0 && !over1 && !__builtin_sub_overflow(b, a, &d)) {
-        return PyFloat_FromDouble((double)d / 1e6);
-    }
-    PyErr_Clear();
     diff = PyNumber_Subtract(t1, t0);
     if (diff == NULL) {
         return NULL;
@@ -251,19 +264,14 @@ host_ms(PyObject *t0, PyObject *t1)
     return ms;
 }
 
+/* Python's anchor + t: in C where both are such ints. */
 static PyObject *
 add(PyObject *anchor, PyObject *t)
 {
-    int over0 = 1, over1 = 1;
-    long long a = 0, b = 0, sum;
-    if (PyLong_CheckExact(anchor) && PyLong_CheckExact(t)) {
-        a = PyLong_AsLongLongAndOverflow(anchor, &over0);
-        b = PyLong_AsLongLongAndOverflow(t, &over1);
+    long long a, b;
+    if (small_int(anchor, &a) && small_int(t, &b)) {
+        return PyLong_FromLongLong(a + b);
     }
-    if (!over0 && !over1 && !__builtin_add_overflow(a, b, &sum)) {
-        return PyLong_FromLongLong(sum);
-    }
-    PyErr_Clear();
     return PyNumber_Add(anchor, t);
 }
 
@@ -427,6 +435,10 @@ spanbuilder_call(PyObject *op, PyObject *args, PyObject *kwargs)
     Py_ssize_t n, i;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
         PyErr_SetString(PyExc_TypeError, "SpanBuilder takes no keyword arguments");
+        return NULL;
+    }
+    if (self->declared == NULL) {
+        PyErr_SetString(PyExc_TypeError, "SpanBuilder: not initialized");
         return NULL;
     }
     if (!PyArg_ParseTuple(args, "OOO!O!:SpanBuilder", &items, &resource, &PyDict_Type, &ranks,

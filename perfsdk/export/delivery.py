@@ -58,13 +58,21 @@ BUILD_CHUNK = 128
 """Spans the export thread builds at a time. Building holds the GIL (about 0.7 us a span
 compiled, 1.5 us in Python); between chunks the thread rests :data:`PACE_S`, so a training
 thread that wants the GIL back waits at most a chunk's work (0.1 to 0.2 ms), never a whole
-batch's (milliseconds at 2,048 spans, and Python lets a busy thread keep the GIL up to its 5 ms
-switch interval). No rest while someone waits (a flush, exit)."""
+batch's (milliseconds at 2,048 spans). No rest while someone waits (a flush, exit), nor while
+the queue is more than half full, nor for the rest of a batch once a rest took more than
+:data:`SLOW_REST_S`: a thread that never lets the GIL go (a loop of pure Python) gives it back
+only at Python's 5 ms switch interval, so each rest would cost the export thread 5 ms and turn
+a burst into spans lost (``queue_full``) rather than a millisecond of the caller's."""
 
 PACE_S = 0.0002
 """The export thread's rest between two chunks of a batch it builds (see :data:`BUILD_CHUNK`)."""
 
+SLOW_REST_S = 0.002
+"""A rest that took longer than this got the GIL back only at a forced switch: the rest of the
+batch is built without rests."""
+
 _rest = time.sleep
+_clock = time.perf_counter
 
 
 class Backoff:
@@ -453,14 +461,18 @@ class Destination:
 
     def _spans(self, batch: list[Any]) -> Sequence[Any]:
         """The batch's spans, built :data:`BUILD_CHUNK` at a time with a rest between chunks
-        unless someone waits."""
+        unless someone waits or the queue is filling up."""
         build = self._build
         if len(batch) <= BUILD_CHUNK:
             return build(batch)
         spans: list[Any] = []
+        half, pace = self.queue_size // 2, True
         for start in range(0, len(batch), BUILD_CHUNK):
-            if start and not self._flushing and self._closing is None:
+            if (start and pace and not self._flushing and self._closing is None
+                    and len(self._queue) <= half):
+                began = _clock()
                 _rest(PACE_S)
+                pace = _clock() - began <= SLOW_REST_S
             spans.extend(build(batch[start:start + BUILD_CHUNK]))
         return spans
 

@@ -210,6 +210,62 @@ def test_a_large_batch_is_built_in_chunks_with_a_rest_between_them(
     identity(d)
 
 
+def test_a_rest_that_waited_for_a_forced_switch_ends_the_rests_of_the_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller never lets the GIL go (pure Python): a rest came back only at Python's switch
+    interval; the batch's other chunks are built back to back."""
+    now = [0.0]
+    rests: list[float] = []
+
+    def rest(seconds: float) -> None:
+        rests.append(seconds)
+        now[0] += 0.005  # the GIL back after the 5 ms switch interval
+
+    monkeypatch.setattr(delivery, "_rest", rest)
+    monkeypatch.setattr(delivery, "_clock", lambda: now[0])
+    exporter = Keeping()
+    n = 4 * BUILD_CHUNK
+    d = Destination("test", "the test's exporter", lambda: exporter, list, queue_size=4 * n,
+                    batch_size=n, delay=LONG, backoff=Backoff(1e-3, 1e-3))
+    d.offer(list(range(n)))
+    assert exporter.entered.wait(LONG)
+    assert rests == [PACE_S]  # one rest, then none: three would be 15 ms of the export thread's
+    assert exporter.spans == list(range(n))
+    d.close(time.monotonic() + LONG)
+    identity(d)
+
+
+def test_no_rest_between_chunks_while_the_queue_is_filling_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst: resting then would lose spans (queue_full) to spare the caller a few ms."""
+    rests: list[float] = []
+    monkeypatch.setattr(delivery, "_rest", rests.append)
+    first_chunk, filled = threading.Event(), threading.Event()
+
+    def build(items: list[Any]) -> list[Any]:
+        if not first_chunk.is_set():
+            first_chunk.set()
+            assert filled.wait(LONG)  # the test fills the queue while the batch is built
+        return list(items)
+
+    gate = threading.Event()
+    exporter = Controlled(gate=gate)  # holds the first export: the next batch waits for it
+    n = 3 * BUILD_CHUNK
+    d = Destination("test", "the test's exporter", lambda: exporter, build, queue_size=2 * n,
+                    batch_size=n, delay=LONG, backoff=Backoff(1e-3, 1e-3))
+    d.offer(list(range(n)))
+    assert first_chunk.wait(LONG)
+    d.offer(list(range(n + 1)))  # more than half of the queue
+    filled.set()
+    assert exporter.entered.wait(LONG)
+    assert rests == []  # three chunks built back to back
+    gate.set()
+    assert d.flush(time.monotonic() + LONG)
+    assert exporter.batches == [n, n, 1]
+    d.close(time.monotonic() + LONG)
+    identity(d)
+
+
 # -- failures, backoff and recovery ---------------------------------------------------------
 def test_failed_batches_are_counted_with_their_reason_and_the_rest_waits_then_goes(
         caplog: pytest.LogCaptureFixture) -> None:
