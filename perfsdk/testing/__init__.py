@@ -52,6 +52,8 @@ class Capture:
         self._lock = threading.Lock()
         self.regions: list[RegionResult] = []
         self.spans: list[Any] = []
+        self.records: list[tuple[Any, ...]] = []
+        """The record tuples themselves, as every sink gets them (``perfsdk.record``)."""
         self._resource: Any = None
 
     def consume(self, records: list[Any]) -> None:
@@ -70,6 +72,7 @@ class Capture:
         with self._lock:
             self.regions.extend(results)
             self.spans.extend(spans)
+            self.records.extend(records)
 
     def flush(self, timeout: float) -> None:
         pass

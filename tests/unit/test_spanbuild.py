@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,40 +21,12 @@ from perfsdk.export.exporters import span_line
 from perfsdk.export.spans import build_resource, build_spans_python, region_span, same_span
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import ERROR, EVENTS, MEMORY, PARENT, SPAN, SPECS, TRACE
-from perfsdk.testing import use_fake_cuda
+from perfsdk.testing import Capture, use_fake_cuda
 
 spanbuild = pytest.importorskip("perfsdk.export._spanbuild")
 
 
-class _Keep:
-    """A sink that keeps the raw records."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[Any, ...]] = []
-
-    def consume(self, records: list[Any]) -> None:
-        self.records.extend(records)
-
-    def flush(self, timeout: float) -> None:
-        pass
-
-    def shutdown(self, timeout: float) -> None:
-        pass
-
-
-@pytest.fixture
-def kept() -> Iterator[_Keep]:
-    PIPELINE.drain(wait=True)
-    keep = _Keep()
-    PIPELINE.sinks.append(keep)
-    try:
-        yield keep
-    finally:
-        PIPELINE.drain(wait=True)
-        PIPELINE.sinks.remove(keep)
-
-
-def _records_of_every_shape(kept: _Keep) -> list[tuple[Any, ...]]:
+def _records_of_every_shape(captured: Capture) -> list[tuple[Any, ...]]:
     @perfsdk.profiled("plain")
     def plain() -> int:
         return 1
@@ -82,7 +53,7 @@ def _records_of_every_shape(kept: _Keep) -> list[tuple[Any, ...]]:
             fake.launch(2.5)  # a device time
         fake.advance(2.5)
     PIPELINE.drain(wait=True)
-    records = list(kept.records)
+    records = list(captured.records)
     names = {SPECS[r[0]].name for r in records}
     assert {"plain", "declared", "outer", "evented", "failing", "memory", "device"} <= names
     invalid = list(records[0])
@@ -101,8 +72,8 @@ def _builder(slow: Any) -> Any:
 
 
 @pytest.mark.parametrize("ranks", [{}, {"perfsdk.rank": 1, "perfsdk.world_size": 2}])
-def test_compiled_spans_are_the_python_spans(kept: _Keep, ranks: dict[str, Any]) -> None:
-    records = _records_of_every_shape(kept)
+def test_compiled_spans_are_the_python_spans(captured: Capture, ranks: dict[str, Any]) -> None:
+    records = _records_of_every_shape(captured)
     resource = build_resource(perfsdk.get_config())
     app_span = object()  # the application's own span passes as it is
     items: list[Any] = [*records, app_span]
@@ -142,9 +113,9 @@ def test_compiled_spans_are_the_python_spans(kept: _Keep, ranks: dict[str, Any])
         r for r in records if SPECS[r[0]].name == "outer"))])
 
 
-def test_a_builder_is_checked_before_it_is_trusted(kept: _Keep,
+def test_a_builder_is_checked_before_it_is_trusted(captured: Capture,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    records = _records_of_every_shape(kept)
+    records = _records_of_every_shape(captured)
     resource = build_resource(perfsdk.get_config())
     compiled = spans_module._Compiled()
     assert compiled.builder is not None
@@ -176,8 +147,8 @@ def test_a_builder_is_checked_before_it_is_trusted(kept: _Keep,
     assert all(same_span(a, b) for a, b in zip(second, third, strict=True))
 
 
-def test_a_builder_that_disagrees_is_turned_off(kept: _Keep) -> None:
-    records = _records_of_every_shape(kept)
+def test_a_builder_that_disagrees_is_turned_off(captured: Capture) -> None:
+    records = _records_of_every_shape(captured)
     resource = build_resource(perfsdk.get_config())
     compiled = spans_module._Compiled()
     real = compiled.builder

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -220,26 +221,20 @@ def test_reservoir_through_the_pipeline(monkeypatch, captured):
 def test_regions_of_one_name_share_a_row_and_a_reset_starts_them_afresh():
     first = timed_region("shared-name")
     second = timed_region("shared-name", attributes={"k": 1})  # another spec, the same name
-    for _ in range(3):
-        with first:
-            pass
-        with second:
-            pass
-    PIPELINE.drain(wait=True)
-    (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
-    assert row.count == 6
+
+    def count_after(*blocks: Any) -> int:
+        for block in blocks:
+            with block:
+                pass
+        PIPELINE.drain(wait=True)
+        (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
+        return row.count
+
+    assert count_after(first, second, first, second, first, second) == 6
     lifecycle.SUMMARY.reset()
-    with second:
-        pass
-    PIPELINE.drain(wait=True)
-    (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
-    assert row.count == 1
+    assert count_after(second) == 1
     lifecycle.SUMMARY.after_fork()
-    with first:
-        pass
-    PIPELINE.drain(wait=True)
-    (row,) = [r for r in perfsdk.summary(show=False) if r.name == "shared-name"]
-    assert row.count == 1
+    assert count_after(first) == 1
 
 
 def test_summary_after_fork_starts_empty():
