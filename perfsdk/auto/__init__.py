@@ -69,7 +69,9 @@ def step(samples: int | None = None, *, flops: float | None = None) -> Step:
     ``perfsdk.flops_per_s`` (over the step's host time) and ``perfsdk.mfu`` (that over
     :func:`perfsdk.peak_flops`, when the peak is known; docs/flops.md). Regions inside the step
     nest under it. With a schedule (:func:`set_schedule`), a step outside its active phase
-    records nothing, neither itself nor any region inside it.
+    records nothing, neither itself nor any region inside it. Inside code that
+    ``torch.compile`` traces a step steps aside (no index, no record, no recompilation): put
+    it around the compiled call.
 
     Raises:
         ValueError: ``samples`` is not None or an integer >= 1, or ``flops`` is not None or a

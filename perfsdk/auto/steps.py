@@ -186,10 +186,9 @@ class Step:
         return self.phase == "active"
 
     def end(self, error: BaseException | None = None) -> None:
-        """End the step (idempotent)."""
-        if _is_compiling():  # dynamo traces the Python code (the compiled would break the graph)
-            self._steps._end(self, error)
-        else:
+        """End the step (idempotent). Inside code that ``torch.compile`` traces it steps aside
+        (see :func:`_aside`)."""
+        if not _is_compiling():
             step_end(self._steps, self, error)
 
     # Where perfsdk's compiled module is built, the class takes TwinMethods for these two (at
@@ -200,9 +199,7 @@ class Step:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if _is_compiling():  # end(exc), written out: it runs every step
-            self._steps._end(self, exc)
-        else:
+        if not _is_compiling():  # end(exc), written out: it runs every step
             step_end(self._steps, self, exc)
 
     def __repr__(self) -> str:
@@ -257,12 +254,14 @@ class Steps:
         ``implicit`` marks a boundary perfsdk drew itself (``perfsdk run`` starts a step at each
         DataLoader batch, and stops once the script calls ``step()`` on its own: see
         :attr:`explicit`)."""
-        if _is_compiling():  # dynamo traces the Python code (the compiled would break the graph)
-            return _step_python(self, samples, flops, implicit)
+        if _is_compiling():
+            return _aside(samples, flops)
         return step_start(self, samples, flops, implicit)
 
     def end(self) -> None:
         """End the open step (the last one of a loop that calls :meth:`step` plainly)."""
+        if _is_compiling():  # steps aside (see _aside)
+            return
         current = self.current
         if current is not None:
             current.end()
@@ -377,6 +376,31 @@ def _notify(fn: Any, index: int) -> None:
         warn_once(f"step-listener:{type(exc).__name__}",
                   f"perfsdk: a step listener failed ({exc!r}); the loop goes on")
 
+
+def _aside(samples: int | None, flops: float | None) -> Step:
+    """A step started inside code that ``torch.compile`` traces (DESIGN rule 5: a region there
+    steps aside): its arguments checked, then a step that counts no index, ends no step and
+    records nothing. It reads and writes none of the steps' state, so dynamo has nothing to
+    guard on: reading ``STEPS._indices``, as the step's Python code does, made dynamo recompile
+    the function at every call until its recompile limit (8), and then run it all eagerly.
+    Made here, in the traced code, so that dynamo enters its ``with`` block (it does not enter
+    a context manager made outside). Put the step around the compiled call to record it."""
+    if samples is not None and (type(samples) is not int or samples < 1):
+        _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
+    if flops is not None:
+        _flops(flops)
+    step = _new_step(Step)
+    step._steps = _ASIDE
+    step.index = -1
+    step.samples = samples
+    step.flops = flops
+    step.phase = "aside"
+    step.region = None
+    return step
+
+
+_ASIDE = Steps()
+"""The steps of the steps that stepped aside (never started: ending one does nothing)."""
 
 step_start: Callable[[Steps, int | None, float | None, bool], Step] = _step_python
 """``step_start(steps, samples, flops, implicit)`` is what :meth:`Steps.step` does, and

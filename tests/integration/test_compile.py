@@ -169,6 +169,44 @@ def test_steps_inside_compiled_function_do_not_break_the_graph() -> None:
 
 
 @pytest.mark.filterwarnings(_DYNAMO_NOTICE)
+def test_a_step_inside_compiled_code_steps_aside_without_recompiling() -> None:
+    """DESIGN rule 5: the step's Python code read the steps' index counter, which dynamo
+    guarded on, so every call recompiled until the limit (8) and then ran eagerly. Inside the
+    compiled function a step now steps aside: one compilation for twelve calls, no index
+    counted, nothing recorded; the steps around it count on."""
+    import perfsdk
+    from perfsdk import auto
+
+    compilations: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        compilations.append(1)
+        return gm.forward
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def body(x: torch.Tensor) -> torch.Tensor:
+        with perfsdk.step(samples=4) as s:
+            y = torch.cos(x) + s.index  # the stepped-aside step: index -1
+        return y
+
+    x = torch.randn(8)
+    with capture() as cap:
+        with perfsdk.step():  # an eager step around the compiled calls
+            first = auto.STEPS.next_index
+            for _ in range(12):
+                torch.testing.assert_close(body(x), torch.cos(x) - 1)
+            assert auto.STEPS.next_index == first  # no index counted inside
+        with perfsdk.step() as after:
+            pass
+    assert len(compilations) == 1
+    steps = cap.named("step")
+    assert len(steps) == 2  # the two eager steps only
+    assert after.index == first
+    with pytest.raises(ValueError, match="samples"):
+        torch.compile(lambda t: perfsdk.step(samples=0) and t, backend="eager")(x)
+
+
+@pytest.mark.filterwarnings(_DYNAMO_NOTICE)
 @pytest.mark.parametrize("implementation", ["compiled", "python"])
 def test_a_phase_inside_compiled_code_runs_eagerly(implementation: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
