@@ -300,13 +300,18 @@ class Steps:
         _state.enabled = (not paused) and _config.get_config().enabled
 
 
-def _step_python(steps: Steps, samples: int | None, flops: float | None,
-                 implicit: bool) -> Step:
-    """:meth:`Steps.step`'s work, in Python (``step_start``: compiled where built)."""
+def _check(samples: int | None, flops: float | None) -> None:
+    """A step's arguments: raises ValueError naming a bad one."""
     if samples is not None and (type(samples) is not int or samples < 1):
         _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
     if flops is not None:
         _flops(flops)
+
+
+def _step_python(steps: Steps, samples: int | None, flops: float | None,
+                 implicit: bool) -> Step:
+    """:meth:`Steps.step`'s work, in Python (``step_start``: compiled where built)."""
+    _check(samples, flops)
     if not implicit:
         steps.explicit = True
     current = steps.current
@@ -385,10 +390,7 @@ def _aside(samples: int | None, flops: float | None) -> Step:
     the function at every call until its recompile limit (8), and then run it all eagerly.
     Made here, in the traced code, so that dynamo enters its ``with`` block (it does not enter
     a context manager made outside). Put the step around the compiled call to record it."""
-    if samples is not None and (type(samples) is not int or samples < 1):
-        _count("step", "samples", samples, 1)  # raises, unless an int subclass >= 1
-    if flops is not None:
-        _flops(flops)
+    _check(samples, flops)
     step = _new_step(Step)
     step._steps = _ASIDE
     step.index = -1

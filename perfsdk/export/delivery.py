@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfsdk.errors import warn_once
+from perfsdk.pipeline import PACE_S
 
 __all__ = ["CAPTURE", "REASONS", "Backoff", "Destination", "capture_logs", "classify",
            "note_failure", "probe", "run_within"]
@@ -56,16 +57,14 @@ Clock = Callable[[], float]
 
 BUILD_CHUNK = 128
 """Spans the export thread builds at a time. Building holds the GIL (about 0.7 us a span
-compiled, 1.5 us in Python); between chunks the thread rests :data:`PACE_S`, so a training
+compiled, 1.5 us in Python); between chunks the thread rests ``PACE_S`` (the pipeline
+thread's rest between its chunks, :data:`perfsdk.pipeline.PACE_S`), so a training
 thread that wants the GIL back waits at most a chunk's work (0.1 to 0.2 ms), never a whole
 batch's (milliseconds at 2,048 spans). No rest while someone waits (a flush, exit), nor while
 the queue is more than half full, nor for the rest of a batch once a rest took more than
 :data:`SLOW_REST_S`: a thread that never lets the GIL go (a loop of pure Python) gives it back
 only at Python's 5 ms switch interval, so each rest would cost the export thread 5 ms and turn
 a burst into spans lost (``queue_full``) rather than a millisecond of the caller's."""
-
-PACE_S = 0.0002
-"""The export thread's rest between two chunks of a batch it builds (see :data:`BUILD_CHUNK`)."""
 
 SLOW_REST_S = 0.002
 """A rest that took longer than this got the GIL back only at a forced switch: the rest of the
