@@ -349,8 +349,7 @@ random_id(PyObject *fn, int bits)
     X(register_prehook) X(_Tensor) X(_Hooks) X(_HOOK_KEY) X(_register) X(_make_hook) \
     X(track_python) X(forward) X(enabled) X(_no_backward) X(_forward_done) X(_grad_enabled) \
     X(_input_nodes) X(_first_node) X(started) X(_is_initialized) X(_initialized) \
-    X(_noted) X(_start_python) X(_Context) X(_detach) X(current) X(listeners) X(_paused) \
-    X(schedule) X(explicit) X(_indices) X(next_index) X(_run_id) X(_ENV_KEYS) X(_RUN_ID_KEY) \
+    X(_noted) X(_start_python) X(_Context) X(_detach) X(_run_id) X(_ENV_KEYS) X(_RUN_ID_KEY) \
     X(_STEP_START) X(_any_autocast) X(autocast_dtype) X(_step_python) X(_end) X(exit_region) \
     X(_memory) X(TRACKER) X(rss) X(baseline) X(host_exit) X(calls) X(enter)
 #define DECLARE(name) static PyObject *s_##name;
@@ -367,6 +366,28 @@ intern_names(void)
 }
 
 #define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
+
+/* A clock reading's int as a C integer: PyLong_AsLong where a long has 64 bits (a loop over the
+ * int's digits; PyLong_AsLongLong converts through a byte array, a longer and colder path). */
+#if LONG_MAX >= 0x7FFFFFFFFFFFFFFFL
+#define AS_NS(value) ((long long)PyLong_AsLong(value))
+#else
+#define AS_NS(value) PyLong_AsLongLong(value)
+#endif
+
+/* list.pop() of a non-empty exact list: its last item (the list's reference, handed over). As
+ * list.pop does, less its resize: the list keeps its storage (size <= allocated, as after any
+ * pop), and no slice code runs (PyList_SetSlice's is long: cold in place, its instruction cache
+ * misses cost more than the rest of a phase's exit). */
+static PyObject *
+list_pop_last(PyObject *list)
+{
+    Py_ssize_t last = PyList_GET_SIZE(list) - 1;
+    PyObject *item = PyList_GET_ITEM(list, last);
+    PyList_SET_ITEM(list, last, NULL);
+    Py_SET_SIZE(list, last);
+    return item;
+}
 
 /* The offset of the __slots__ member `name` of `type`, or -1 with an exception set. */
 static Py_ssize_t
@@ -388,61 +409,53 @@ slot_offset(PyTypeObject *type, const char *name)
     return member->offset;
 }
 
-#if PY_VERSION_HEX < 0x030C0000
-/* The globals read last, by dict and name: a hit while the dict's version tag is the one it had
- * then. CPython gives every change of any dict a new tag (3.11: a global counter), so an
- * unchanged tag means an unchanged dict, whose value is still there (borrowed). A test swapping
- * a module's global changes the tag: it is read again. Two ways per set (the newest first), so
- * two globals that share a set (one name in two modules: _state) do not evict each other at
- * every read. 3.12 deprecated the tag: no cache there. */
-typedef struct {
-    PyObject *dict;
-    PyObject *name;
-    PyObject *value;
-    uint64_t version;
-} GlobalSlot;
-#define GLOBAL_SETS 128
-#if defined(__GNUC__)
-static GlobalSlot global_slots[GLOBAL_SETS][2] __attribute__((aligned(64))); /* a set a line */
-#else
-static GlobalSlot global_slots[GLOBAL_SETS][2];
-#endif
-#endif
-
-/* A module global (borrowed), or NULL with an exception set. */
+/* A module global (borrowed), or NULL with an exception set: the dict's item. */
 static PyObject *
-global(PyObject *globals, PyObject *name)
+global_lookup(PyObject *globals, PyObject *name)
 {
-    PyObject *value;
-#if PY_VERSION_HEX < 0x030C0000
-    GlobalSlot *set = global_slots[(((uintptr_t)name ^ ((uintptr_t)globals >> 4))
-                                    * 0x9E3779B97F4A7C15ull) >> 57];
-    uint64_t version = ((PyDictObject *)globals)->ma_version_tag;
-    if (set[0].name == name && set[0].dict == globals && set[0].version == version) {
-        return set[0].value;
+    PyObject *value = PyDict_GetItemWithError(globals, name);
+    if (value == NULL && !PyErr_Occurred()) {
+        PyErr_Format(PyExc_NameError, "perfsdk._fastpath: global %R is gone", name);
     }
-    if (set[1].name == name && set[1].dict == globals && set[1].version == version) {
-        return set[1].value;
-    }
-#endif
-    value = PyDict_GetItemWithError(globals, name);
-    if (value == NULL) {
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_NameError, "perfsdk._fastpath: global %R is gone", name);
-        }
-        return NULL;
-    }
-#if PY_VERSION_HEX < 0x030C0000
-    if (set[0].name != name || set[0].dict != globals) { /* else a newer version of set[0] */
-        set[1] = set[0];
-    }
-    set[0].dict = globals;
-    set[0].name = name;
-    set[0].value = value;
-    set[0].version = version;
-#endif
     return value;
 }
+
+#if PY_VERSION_HEX < 0x030C0000 && defined(__GNUC__)
+/* global(globals, name): a module global (borrowed), or NULL with an exception set, cached at
+ * each place that reads one (a static per expansion of the macro) while the dict's version tag
+ * is the one it had then. CPython gives every change of any dict a new tag (3.11: a global
+ * counter), so an unchanged tag means an unchanged dict, whose value is still there. A test
+ * swapping a module's global changes the tag: it is read again. One cache per place, not a
+ * shared table: the places one call passes through sit side by side in memory, so a step's
+ * forty reads touch a few cache lines, where a hashed table spread them over forty (in place,
+ * after a training step's torch calls, each line missed costs tens of nanoseconds). 3.12
+ * deprecated the tag: no cache there, nor without GNU C's statement expressions. */
+typedef struct {
+    PyObject *dict;
+    PyObject *value;
+    uint64_t version;
+} GlobalSite;
+
+__attribute__((noinline)) static PyObject *
+global_at(GlobalSite *site, PyObject *globals, PyObject *name)
+{
+    uint64_t version = ((PyDictObject *)globals)->ma_version_tag;
+    PyObject *value;
+    if (site->dict == globals && site->version == version) {
+        return site->value;
+    }
+    if ((value = global_lookup(globals, name)) != NULL) {
+        site->dict = globals;
+        site->value = value;
+        site->version = version;
+    }
+    return value;
+}
+#define global(globals, name) \
+    __extension__({ static GlobalSite site_; global_at(&site_, (globals), (name)); })
+#else
+#define global(globals, name) global_lookup((globals), (name))
+#endif
 
 /* The marker's compiled range (new reference): its `call` when that is an NvtxCall (a tool
  * listens and the module was built with NVTX), else NULL, without an exception. */
@@ -899,6 +912,26 @@ static PyTypeObject InnerGateType = {
     .tp_repr = gate_repr,
 };
 
+/* The Pipeline class's `started` and `max_pending` __slots__ (bind_inner): read at their offsets
+ * on every region, where a generic lookup's cache misses (the type's method cache, the
+ * instance dict, its keys) cost more than its instructions. */
+static PyTypeObject *pipeline_type;
+static struct {
+    Py_ssize_t started, max_pending;
+} pipeline_slots;
+
+/* pipeline.<name> (new reference), read at its slot's offset when pipeline is a Pipeline whose
+ * slot is set; else looked up. NULL with an exception set. */
+static PyObject *
+pipeline_attr(PyObject *pipeline, Py_ssize_t offset, PyObject *name)
+{
+    PyObject *value;
+    if (Py_TYPE(pipeline) == pipeline_type && (value = SLOT(pipeline, offset)) != NULL) {
+        return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(pipeline, name);
+}
+
 /* if len(_queue) < PIPELINE.max_pending: _enqueue(record) else: PIPELINE.spill(record)
  * (PIPELINE.submit, as the Python exits write it out). 0, or -1 with an exception set. */
 static int
@@ -908,7 +941,7 @@ enqueue_record(PyObject *record)
     Py_ssize_t length, most;
     if ((queue = global(region_globals, s__queue)) == NULL
         || (pipeline = global(region_globals, s_PIPELINE)) == NULL
-        || (limit = PyObject_GetAttr(pipeline, s_max_pending)) == NULL) {
+        || (limit = pipeline_attr(pipeline, pipeline_slots.max_pending, s_max_pending)) == NULL) {
         return -1;
     }
     most = PyLong_AsSsize_t(limit);
@@ -1070,10 +1103,10 @@ fastpath_new_id(PyObject *module, PyObject *arg)
 static PyObject *
 fastpath_bind_inner(PyObject *module, PyObject *args)
 {
-    PyObject *globals, *inner, *region, *null, *state, *fork, *context;
+    PyObject *globals, *inner, *region, *null, *state, *fork, *context, *pipeline;
     RegionSlots rs;
     StateSlots ss;
-    Py_ssize_t generation;
+    Py_ssize_t generation, started, max_pending;
     if (!PyArg_ParseTuple(args, "O!O!O!OOOO:bind_inner", &PyDict_Type, &globals, &PyType_Type,
                           &inner, &PyType_Type, &region, &null, &state, &fork, &context)) {
         return NULL;
@@ -1103,7 +1136,15 @@ fastpath_bind_inner(PyObject *module, PyObject *args)
     OFFSET(ss.nvtx, ss.type, "nvtx")
     OFFSET(ss.memory, ss.type, "memory")
     OFFSET(generation, Py_TYPE(fork), "generation")
+    if ((pipeline = global(globals, s_PIPELINE)) == NULL) {
+        return NULL;
+    }
+    OFFSET(started, Py_TYPE(pipeline), "started")
+    OFFSET(max_pending, Py_TYPE(pipeline), "max_pending")
 #undef OFFSET
+    Py_XSETREF(pipeline_type, (PyTypeObject *)Py_NewRef(Py_TYPE(pipeline)));
+    pipeline_slots.started = started;
+    pipeline_slots.max_pending = max_pending;
     Py_INCREF(rs.type);
     Py_INCREF(ss.type);
     Py_XDECREF(region_slots.type);
@@ -1190,11 +1231,7 @@ phase_exit_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObje
     if (n > 1) {
         return PyObject_CallFunctionObjArgs(self->many, self->active, error, NULL);
     }
-    entry = Py_NewRef(PyList_GET_ITEM(self->active, 0));
-    if (PyList_SetSlice(self->active, 0, 1, NULL) < 0) {
-        Py_DECREF(entry);
-        return NULL;
-    }
+    entry = list_pop_last(self->active); /* the only one */
     if (Py_TYPE(entry) == inner_type && _PyType_Lookup(inner_type, s_exit) == inner_exit_descr) {
         res = inner_exit(entry, &error, 1, NULL);
     } else {
@@ -1478,7 +1515,7 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
     }
     /* PIPELINE.started */
     if ((pipeline = global(region_globals, s_PIPELINE)) == NULL
-        || (value = PyObject_GetAttr(pipeline, s_started)) == NULL) {
+        || (value = pipeline_attr(pipeline, pipeline_slots.started, s_started)) == NULL) {
         return -1;
     }
     truth = PyObject_IsTrue(value);
@@ -2038,32 +2075,23 @@ static PyObject *region_exit_fn; /* this module's region_exit */
 static struct {
     Py_ssize_t steps, flops, index, phase, region, samples;
 } step_slots;
+/* Steps's __slots__, read and written at their offsets: in place, after a training step's torch
+ * calls, a generic attribute lookup's cache misses (the type's method cache, the instance dict,
+ * its keys) cost more than its instructions. An unset slot (NULL) hands the step to Python. */
+static struct {
+    Py_ssize_t indices, paused, current, explicit_, listeners, next_index, schedule;
+} steps_slots;
+#define STEPS_SLOT(steps, name) SLOT(steps, steps_slots.name)
 static PyObject *k_step, *k_samples, *k_amp, *k_samples_per_s, *s_active_phase, *int_one;
 
-/* obj.<name> is `expected` (1), is not (0), or -1 with an exception set. */
+/* Whether the steps have no schedule, are not paused and have no listeners (an empty list): the
+ * compiled steps' common case. */
 static int
-attr_is(PyObject *obj, PyObject *name, PyObject *expected)
+steps_plain(PyObject *steps)
 {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) {
-        return -1;
-    }
-    Py_DECREF(value); /* compared by identity only */
-    return value == expected;
-}
-
-/* steps.listeners is an empty list: 1, 0, or -1 with an exception set. */
-static int
-no_listeners(PyObject *steps)
-{
-    PyObject *value = PyObject_GetAttr(steps, s_listeners);
-    int empty;
-    if (value == NULL) {
-        return -1;
-    }
-    empty = PyList_CheckExact(value) && PyList_GET_SIZE(value) == 0;
-    Py_DECREF(value);
-    return empty;
+    PyObject *listeners = STEPS_SLOT(steps, listeners);
+    return STEPS_SLOT(steps, schedule) == Py_None && STEPS_SLOT(steps, paused) == Py_False
+           && listeners != NULL && PyList_CheckExact(listeners) && PyList_GET_SIZE(listeners) == 0;
 }
 
 /* Steps._end(step, error) compiled: 0 done (or nothing to do), 1 for the Python code (nothing
@@ -2072,16 +2100,17 @@ static int
 step_end_fast(PyObject *steps, PyObject *step, PyObject *error)
 {
     PyObject *state, *region, *samples, *t0 = NULL, *t1, *fn, *attrs, *rate, *res, *args[3];
+    PyObject *value;
     int truth;
     if (steps_type == NULL || Py_TYPE(steps) != steps_type || Py_TYPE(step) != step_type) {
         return 1;
     }
-    if ((truth = attr_is(steps, s_current, step)) <= 0) {
-        return truth; /* already ended: as Python, nothing to do */
+    if ((value = STEPS_SLOT(steps, current)) != step) {
+        return value == NULL; /* already ended: as Python, nothing to do (unset: Python) */
     }
-    if ((truth = attr_is(steps, s__paused, Py_False)) <= 0
-        || (truth = no_listeners(steps)) <= 0) {
-        return truth < 0 ? -1 : 1;
+    if (STEPS_SLOT(steps, paused) != Py_False || (value = STEPS_SLOT(steps, listeners)) == NULL
+        || !PyList_CheckExact(value) || PyList_GET_SIZE(value) != 0) {
+        return 1;
     }
     if (SLOT(step, step_slots.flops) != Py_None || (region = SLOT(step, step_slots.region)) == NULL
         || (samples = SLOT(step, step_slots.samples)) == NULL) {
@@ -2100,9 +2129,7 @@ step_end_fast(PyObject *steps, PyObject *step, PyObject *error)
                               || (t0 = SLOT(region, full_slots.t0)) == NULL)) {
         return 1;
     }
-    if (PyObject_SetAttr(steps, s_current, Py_None) < 0) {
-        return -1;
-    }
+    Py_SETREF(STEPS_SLOT(steps, current), Py_NewRef(Py_None)); /* the caller holds the step */
     if (region == Py_None) {
         return 0;
     }
@@ -2119,8 +2146,8 @@ step_end_fast(PyObject *steps, PyObject *step, PyObject *error)
         if (t1 == NULL) {
             goto fail;
         }
-        begin = PyLong_AsLongLong(t0);
-        end = PyLong_AsLongLong(t1);
+        begin = AS_NS(t0);
+        end = AS_NS(t1);
         if ((begin == -1 || end == -1) && PyErr_Occurred()) {
             goto fail;
         }
@@ -2197,16 +2224,9 @@ step_start_fast(PyObject *steps, PyObject *samples, PyObject *flops, PyObject **
             return truth;
         }
     }
-    if ((truth = attr_is(steps, s_schedule, Py_None)) <= 0
-        || (truth = attr_is(steps, s__paused, Py_False)) <= 0
-        || (truth = no_listeners(steps)) <= 0) {
-        return truth;
-    }
-    if ((value = PyObject_GetAttr(steps, s_current)) == NULL) {
-        return -1;
-    }
-    Py_DECREF(value); /* steps holds it */
-    if (value != Py_None && Py_TYPE(value) != step_type) {
+    if (!steps_plain(steps) || STEPS_SLOT(steps, indices) == NULL
+        || (value = STEPS_SLOT(steps, current)) == NULL
+        || (value != Py_None && Py_TYPE(value) != step_type)) {
         return 0;
     }
     *current = value;
@@ -2271,9 +2291,11 @@ fastpath_step_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         return PyObject_Vectorcall(fn, args, 4, NULL);
     }
-    if ((truth = PyObject_IsTrue(args[3])) < 0
-        || (!truth && PyObject_SetAttr(steps, s_explicit, Py_True) < 0)) {
+    if ((truth = PyObject_IsTrue(args[3])) < 0) {
         return NULL;
+    }
+    if (!truth) {
+        Py_XSETREF(STEPS_SLOT(steps, explicit_), Py_NewRef(Py_True));
     }
     if (current != Py_None) {
         Py_INCREF(current);
@@ -2287,9 +2309,11 @@ fastpath_step_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
-    if ((value = PyObject_GetAttr(steps, s__indices)) == NULL) {
+    if ((value = STEPS_SLOT(steps, indices)) == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "perfsdk: Steps._indices is unset");
         return NULL;
     }
+    Py_INCREF(value); /* another thread may set new indices meanwhile */
     index = PyIter_Next(value); /* two threads never get the same index */
     Py_DECREF(value);
     if (index == NULL) {
@@ -2302,9 +2326,8 @@ fastpath_step_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(index);
         return NULL;
     }
-    truth = PyObject_SetAttr(steps, s_next_index, value);
-    Py_DECREF(value);
-    if (truth < 0 || (step = step_type->tp_alloc(step_type, 0)) == NULL) {
+    Py_XSETREF(STEPS_SLOT(steps, next_index), value);
+    if ((step = step_type->tp_alloc(step_type, 0)) == NULL) {
         Py_DECREF(index);
         return NULL;
     }
@@ -2314,7 +2337,8 @@ fastpath_step_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     SLOT(step, step_slots.flops) = Py_NewRef(Py_None);
     SLOT(step, step_slots.phase) = Py_NewRef(s_active_phase);
     SLOT(step, step_slots.region) = Py_NewRef(Py_None);
-    if (PyObject_SetAttr(steps, s_current, step) < 0 || (attrs = PyDict_New()) == NULL) {
+    Py_XSETREF(STEPS_SLOT(steps, current), Py_NewRef(step));
+    if ((attrs = PyDict_New()) == NULL) {
         goto fail;
     }
     if (PyDict_SetItem(attrs, k_step, index) < 0
@@ -2383,6 +2407,12 @@ fastpath_bind_steps(PyObject *module, PyObject *args)
 #define OFFSET(name, text) if ((step_slots.name = slot_offset(step_cls, text)) < 0) return NULL;
     OFFSET(steps, "_steps") OFFSET(flops, "flops") OFFSET(index, "index")
     OFFSET(phase, "phase") OFFSET(region, "region") OFFSET(samples, "samples")
+#undef OFFSET
+#define OFFSET(name, text) \
+    if ((steps_slots.name = slot_offset(steps_cls, text)) < 0) return NULL;
+    OFFSET(indices, "_indices") OFFSET(paused, "_paused") OFFSET(current, "current")
+    OFFSET(explicit_, "explicit") OFFSET(listeners, "listeners") OFFSET(next_index, "next_index")
+    OFFSET(schedule, "schedule")
 #undef OFFSET
     if (step_cls->tp_alloc != PyType_GenericAlloc) {
         PyErr_SetString(PyExc_TypeError, "bind_steps: Step is not a plain class");
@@ -2666,12 +2696,7 @@ close_above(PyObject *stack, PyObject *seq)
         if (above <= 0) {
             return above;
         }
-        Py_INCREF(entry);
-        if (PyList_SetSlice(stack, PyList_GET_SIZE(stack) - 1, PyList_GET_SIZE(stack), NULL)
-            < 0) {
-            Py_DECREF(entry);
-            return -1;
-        }
+        entry = list_pop_last(stack); /* the entry read above */
         region = PyList_GET_ITEM(entry, E_REGION);
         Py_INCREF(region);
         Py_INCREF(Py_None);

@@ -123,6 +123,10 @@ class _Ticket:
 
 
 class Pipeline:
+    # Two slots the compiled region paths read at their offsets on every region (no attribute
+    # lookup); the rest live in the instance dict.
+    __slots__ = ("__dict__", "__weakref__", "max_pending", "started")
+
     def __init__(self, interval: float = 0.05, *, max_pending: int = MAX_PENDING) -> None:
         self.interval = interval
         self.max_pending = max_pending

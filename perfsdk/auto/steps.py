@@ -221,6 +221,12 @@ class Steps:
         (3, 'active')
     """
 
+    # Slots: a step's compiled start and end read and write these at fixed offsets (no
+    # attribute lookup: in place, after a training step's torch calls, each lookup's cache
+    # misses cost more than its instructions).
+    __slots__ = ("__weakref__", "_indices", "_paused", "current", "explicit", "listeners",
+                 "next_index", "schedule")
+
     def __init__(self, schedule: Schedule | None = None) -> None:
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ValueError(f"Steps: schedule={schedule!r}; accepted values are None (record "
