@@ -673,13 +673,27 @@ may_ride(InnerGateObject *gate, PyObject *state, PyObject *owner)
 
 /* The current span (new reference): _cur_get(), and its _SPAN_KEY entry under OpenTelemetry.
  * NULL with no exception when there is no context variable to read (_cur_get is None). */
+static PyObject *current_var;      /* perfsdk.context.CURRENT, or NULL (bind_region) */
+static PyCFunction contextvar_get; /* ContextVar.get's C function (bind_region) */
+
 static PyObject *
 current_span(void)
 {
     PyObject *cur_get, *key, *context, *span;
     if ((cur_get = global(region_globals, s__cur_get)) == NULL || cur_get == Py_None
-        || (key = global(region_globals, s__SPAN_KEY)) == NULL
-        || (context = PyObject_CallNoArgs(cur_get)) == NULL) {
+        || (key = global(region_globals, s__SPAN_KEY)) == NULL) {
+        return NULL;
+    }
+    /* _cur_get is CURRENT.get: the variable read directly (a value, else its default), less the
+     * call machinery; with neither, get() is called, and raises as it does */
+    context = NULL;
+    if (current_var != NULL && PyCFunction_Check(cur_get)
+        && PyCFunction_GET_SELF(cur_get) == current_var
+        && PyCFunction_GET_FUNCTION(cur_get) == contextvar_get
+        && PyContextVar_Get(current_var, NULL, &context) < 0) {
+        return NULL;
+    }
+    if (context == NULL && (context = PyObject_CallNoArgs(cur_get)) == NULL) {
         return NULL;
     }
     if (key == Py_None) {
@@ -950,8 +964,15 @@ enqueue_record(PyObject *record)
         return -1;
     }
     if (length < most) {
-        res = (fn = global(region_globals, s__enqueue)) == NULL ? NULL
-                                                                : PyObject_CallOneArg(fn, record);
+        if ((fn = global(region_globals, s__enqueue)) == NULL) {
+            return -1;
+        }
+        /* _enqueue is _queue.append, a builtin method taking one argument: its C function is
+         * called as the call machinery would call it, less that machinery's code */
+        res = PyCFunction_Check(fn) && PyCFunction_GET_FLAGS(fn) == METH_O
+                      && PyCFunction_GET_SELF(fn) == queue
+                  ? PyCFunction_GET_FUNCTION(fn)(queue, record)
+                  : PyObject_CallOneArg(fn, record);
     } else {
         res = PyObject_CallMethodOneArg(pipeline, s_spill, record);
     }
@@ -1441,7 +1462,7 @@ typedef struct {
 } FullSlots;
 static FullSlots full_slots;
 static int full_bound;
-static PyObject *current_var;        /* perfsdk.context.CURRENT, or NULL (bind_region) */
+
 static PyObject *device_globals;     /* perfsdk._device's module dict */
 static PyObject *cuda_is_initialized; /* torch.cuda.is_initialized */
 static PyObject *cuda_globals;       /* torch.cuda's module dict */
@@ -1502,7 +1523,7 @@ host_rss(void)
  * peak-RSS reading (memory=True on the host). */
 static int
 rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObject **parent,
-            int *memory)
+            int *memory, PyObject **thread)
 {
     PyObject *value, *key, *pipeline, *profiling;
     int truth;
@@ -1553,18 +1574,20 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
             || (ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL) {
             return PyErr_Occurred() ? -1 : 0;
         }
-        truth = PySet_Contains(noted, ident);
-        Py_DECREF(ident);
-        if (truth <= 0) {
+        if ((truth = PySet_Contains(noted, ident)) <= 0) {
+            Py_DECREF(ident);
             return truth;
         }
+        *thread = ident; /* the region's thread_id: one int made, not two */
     }
     /* the parent: the current span */
     if ((key = global(region_globals, s__SPAN_KEY)) == NULL
         || PyContextVar_Get(current_var, NULL, context) < 0) {
+        Py_CLEAR(*thread);
         return -1;
     }
     if (*context == NULL) {
+        Py_CLEAR(*thread);
         return 0;
     }
     if (key == Py_None) {
@@ -1573,16 +1596,19 @@ rstart_fast(RegionStartObject *self, PyObject *state, PyObject **context, PyObje
         if ((*parent = PyDict_GetItemWithError(*context, key)) == NULL) {
             if (PyErr_Occurred()) {
                 Py_CLEAR(*context);
+                Py_CLEAR(*thread);
                 return -1;
             }
             *parent = Py_None;
         }
     } else {
         Py_CLEAR(*context);
+        Py_CLEAR(*thread);
         return 0;
     }
     if (*parent != Py_None && Py_TYPE(*parent) != region_slots.type) {
         Py_CLEAR(*context); /* a span of the user's: the Python code asks it for its ids */
+        Py_CLEAR(*thread);
         return 0;
     }
     return 1;
@@ -1624,22 +1650,24 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
 {
     PyObject *state, *context = NULL, *parent = NULL, *region, *dom = Py_None, *fork, *fn;
     PyObject *trace_id = NULL, *parent_id = NULL, *span_id = NULL, *token = NULL, *t0, *key;
-    PyObject *gen;
+    PyObject *gen, *thread = NULL;
     int fast, truth, memory = 0;
     if ((state = global(region_globals, s__state)) == NULL) {
         return NULL;
     }
     if (Py_TYPE(state) != state_slots.type) {
         fast = 0;
-    } else if ((fast = rstart_fast(self, state, &context, &parent, &memory)) < 0) {
+    } else if ((fast = rstart_fast(self, state, &context, &parent, &memory, &thread)) < 0) {
         return NULL;
     }
     if ((fork = global(region_globals, s__FORK)) == NULL) {
         Py_XDECREF(context);
+        Py_XDECREF(thread);
         return NULL;
     }
     if (fast && (Py_TYPE(fork) != fork_type || (gen = SLOT(fork, fork_generation)) == NULL)) {
         Py_CLEAR(context);
+        Py_CLEAR(thread);
         fast = 0;
     }
     if (!fast) {
@@ -1657,17 +1685,21 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
                 PyErr_SetString(PyExc_AttributeError, "perfsdk: settings without nvtx");
             }
             Py_DECREF(context);
+            Py_DECREF(thread);
             return NULL;
         }
         if (truth && spec_range_push(&self->range, &dom, &rid) < 0) {
             Py_DECREF(context);
+            Py_DECREF(thread);
             return NULL;
         }
     }
     if ((region = region_slots.type->tp_alloc(region_slots.type, 0)) == NULL) {
         Py_DECREF(context);
+        Py_DECREF(thread);
         return NULL;
     }
+    FSET(region, thread_id, thread); /* rstart_fast's: the ident it found noted */
     FSET(region, spec, Py_NewRef(self->spec));
     FSET(region, attributes, Py_NewRef(attributes));
     FSET(region, events, Py_NewRef(Py_None));
@@ -1713,9 +1745,6 @@ rstart_call(RegionStartObject *self, PyObject *attributes)
         goto fail;
     }
     FSET(region, span_id, span_id);
-    if ((FSET(region, thread_id, PyLong_FromUnsignedLong(PyThread_get_thread_ident()))) == NULL) {
-        goto fail;
-    }
     /* the current span: this region */
     if ((key = global(region_globals, s__SPAN_KEY)) == NULL) {
         goto fail;
@@ -2053,6 +2082,15 @@ fastpath_bind_region(PyObject *module, PyObject *args)
         return NULL;
     }
     full_slots = fs;
+    if (current != Py_None) {
+        PyObject *get = PyObject_GetAttrString(current, "get");
+        if (get == NULL) {
+            Py_DECREF(is_init);
+            return NULL;
+        }
+        contextvar_get = PyCFunction_Check(get) ? PyCFunction_GET_FUNCTION(get) : NULL;
+        Py_DECREF(get);
+    }
     Py_XSETREF(current_var, current == Py_None ? NULL : Py_NewRef(current));
     Py_XSETREF(device_globals, Py_NewRef(device));
     Py_XSETREF(cuda_is_initialized, is_init);
@@ -2220,8 +2258,10 @@ step_start_fast(PyObject *steps, PyObject *samples, PyObject *flops, PyObject **
         if (!PyLong_CheckExact(samples)) {
             return 0;
         }
-        if ((truth = PyObject_RichCompareBool(samples, int_zero, Py_GT)) <= 0) {
-            return truth;
+        int overflow;
+        long count = PyLong_AsLongAndOverflow(samples, &overflow);
+        if (overflow < 0 || (overflow == 0 && count < 1)) {
+            return 0; /* Python raises, naming it (an int: no error here) */
         }
     }
     if (!steps_plain(steps) || STEPS_SLOT(steps, indices) == NULL
@@ -2233,9 +2273,11 @@ step_start_fast(PyObject *steps, PyObject *samples, PyObject *flops, PyObject **
     if ((state = global(steps_globals, s__state)) == NULL) {
         return -1;
     }
-    if (Py_TYPE(state) != state_slots.type || (value = SLOT(state, state_slots.enabled)) == NULL
-        || (truth = PyObject_IsTrue(value)) <= 0) {
-        return value == NULL ? 0 : truth;
+    if (Py_TYPE(state) != state_slots.type || (value = SLOT(state, state_slots.enabled)) == NULL) {
+        return 0;
+    }
+    if ((truth = PyObject_IsTrue(value)) <= 0) {
+        return truth;
     }
     if ((value = global(steps_globals, s__STEP_START)) == NULL) {
         return -1;
@@ -2264,8 +2306,27 @@ step_start_fast(PyObject *steps, PyObject *samples, PyObject *flops, PyObject **
     if (!PyDict_CheckExact(keys)) {
         return 0;
     }
+#if PY_VERSION_HEX < 0x030C0000
+    {   /* the environment's answer while its dict is unchanged (the dict's version tag) */
+        static PyObject *seen_keys, *seen_key;
+        static uint64_t seen_version;
+        static int seen_absent;
+        uint64_t version = ((PyDictObject *)keys)->ma_version_tag;
+        if (keys == seen_keys && value == seen_key && version == seen_version) {
+            return seen_absent;
+        }
+        if ((truth = PyDict_Contains(keys, value)) < 0) {
+            return -1;
+        }
+        seen_keys = keys; /* compared by identity only: held by perfsdk.distributed */
+        seen_key = value;
+        seen_version = version;
+        return seen_absent = !truth;
+    }
+#else
     truth = PyDict_Contains(keys, value);
     return truth < 0 ? -1 : !truth;
+#endif
 }
 
 /* step_start(steps, samples, flops, implicit) -> Step: _step_python(...), compiled where it
