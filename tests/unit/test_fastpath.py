@@ -650,6 +650,38 @@ def test_compiled_steps_leave_no_python_frame_in_the_common_case(
     assert len({s.trace_id for s in steps}) == 5  # each a root: a trace of its own
 
 
+@needs_steps
+def test_compiled_exits_honour_the_pipelines_bound_read_at_its_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled exits read ``PIPELINE.max_pending`` (and ``started``) at their slots, with
+    no Python frame: past the bound a record goes to ``spill``, as ``Pipeline.submit`` does;
+    a bound changed at run time is seen at the next exit."""
+    from perfsdk.pipeline import PIPELINE
+
+    forward = perfsdk.phase("forward")
+    with perfsdk.step(), forward:  # the step's start is made at the first step, in Python
+        pass
+    perfsdk.auto.end_step()
+    perfsdk.flush()
+    handed = _count_python_steps(monkeypatch)
+    spilled: list[Any] = []
+    monkeypatch.setattr(PIPELINE, "spill", spilled.append)  # the instance's dict
+    with PIPELINE._drain_lock:  # the pipeline thread drains nothing meanwhile
+        queued = len(PIPELINE.queue)
+        monkeypatch.setattr(PIPELINE, "max_pending", queued + 2)  # the slot
+        for _ in range(3):
+            with perfsdk.step(), forward:
+                pass
+        assert len(PIPELINE.queue) == queued + 2
+        assert len(spilled) == 4  # two records a step (the phase's, the step's), six in all
+        PIPELINE.max_pending = queued + 4
+        with perfsdk.step():
+            pass
+        assert len(PIPELINE.queue) == queued + 3
+        assert len(spilled) == 4
+    assert handed == []
+
+
 @pytest.mark.skipif(_fastpath is None or not hasattr(_fastpath, "TwinMethod"),
                     reason="perfsdk._fastpath is not built")
 def test_a_twin_method_calls_the_compiled_and_shows_the_python() -> None:
