@@ -671,11 +671,11 @@ may_ride(InnerGateObject *gate, PyObject *state, PyObject *owner)
     return !truth;
 }
 
-/* The current span (new reference): _cur_get(), and its _SPAN_KEY entry under OpenTelemetry.
- * NULL with no exception when there is no context variable to read (_cur_get is None). */
 static PyObject *current_var;      /* perfsdk.context.CURRENT, or NULL (bind_region) */
 static PyCFunction contextvar_get; /* ContextVar.get's C function (bind_region) */
 
+/* The current span (new reference): _cur_get(), and its _SPAN_KEY entry under OpenTelemetry.
+ * NULL with no exception when there is no context variable to read (_cur_get is None). */
 static PyObject *
 current_span(void)
 {
@@ -1462,7 +1462,6 @@ typedef struct {
 } FullSlots;
 static FullSlots full_slots;
 static int full_bound;
-
 static PyObject *device_globals;     /* perfsdk._device's module dict */
 static PyObject *cuda_is_initialized; /* torch.cuda.is_initialized */
 static PyObject *cuda_globals;       /* torch.cuda's module dict */
@@ -2374,7 +2373,7 @@ fastpath_step_start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_AttributeError, "perfsdk: Steps._indices is unset");
         return NULL;
     }
-    Py_INCREF(value); /* another thread may set new indices meanwhile */
+    Py_INCREF(value); /* held across the call, as a lookup would have held it */
     index = PyIter_Next(value); /* two threads never get the same index */
     Py_DECREF(value);
     if (index == NULL) {
@@ -3434,8 +3433,11 @@ module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     PyObject *probe, *inner, *root;
     ModuleCallObject *self;
     int is_root;
-    if (!_PyArg_NoKeywords("ModuleCall", kwargs)
-        || !PyArg_ParseTuple(args, "OO:ModuleCall", &probe, &inner)) {
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) { /* public API: 3.13 hid the helper */
+        PyErr_SetString(PyExc_TypeError, "ModuleCall() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO:ModuleCall", &probe, &inner)) {
         return NULL;
     }
     if ((self = (ModuleCallObject *)type->tp_alloc(type, 0)) == NULL) {
