@@ -42,10 +42,32 @@ from perfsdk.record import (
     Record,
 )
 
-__all__ = ["COMPILED", "SCOPE", "build_resource", "build_spans", "build_spans_python",
-           "region_attributes", "region_span", "same_span"]
+__all__ = ["COMPILED", "SCOPE", "HashedResource", "build_resource", "build_spans",
+           "build_spans_python", "region_attributes", "region_span", "same_span"]
 
 SCOPE = InstrumentationScope("perfsdk", __version__)
+
+
+class HashedResource(Resource):
+    """An OpenTelemetry ``Resource`` whose hash is computed once, when it is made.
+
+    OpenTelemetry's OTLP encoder (``encode_spans``) groups a batch's spans by resource in a
+    dict, so it hashes every span's resource, and ``Resource.__hash__`` serializes the
+    attributes to sorted JSON each time: 4.8 us with perfsdk's resource on the development
+    machine, a fifth of what encoding a span costs there. A resource is immutable (its
+    attributes cannot change after it is made), so its hash cannot either; equality is
+    ``Resource``'s own."""
+
+    def __init__(self, attributes: Any, schema_url: str | None = None) -> None:
+        super().__init__(attributes, schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _hashed(resource: Resource) -> HashedResource:
+    return HashedResource(resource.attributes, resource.schema_url)
 
 
 _BUILT: dict[tuple[str | None, ...], Resource] = {}
@@ -72,7 +94,7 @@ def build_resource(config: Config) -> Resource:
     known = _BUILT.get(key)
     if known is not None:
         if known.attributes.get("process.pid") != os.getpid():
-            known = _BUILT[key] = known.merge(Resource({"process.pid": os.getpid()}))
+            known = _BUILT[key] = _hashed(known.merge(Resource({"process.pid": os.getpid()})))
         return known
     built = _BUILT[key] = _detect(config, gpu)
     return built
@@ -90,7 +112,7 @@ def _detect(config: Config, gpu: str | None) -> Resource:
     }
     if gpu is not None:
         attrs["perfsdk.gpu.name"] = gpu
-    return Resource.create(attrs)
+    return _hashed(Resource.create(attrs))
 
 
 def region_attributes(rec: Record, ranks: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -65,3 +65,44 @@ def test_a_span_of_another_shape_falls_back_to_its_to_json(tmp_path: Path) -> No
     lines = exporter.path.read_text(encoding="utf-8").splitlines()
     assert lines[0] == '{"name": "other"}'
     assert [line.startswith('{"name": ') for line in lines] == [True] * 4
+
+
+def test_otlp_encoding_hashes_perfsdks_resource_once(monkeypatch: Any) -> None:
+    """OpenTelemetry's OTLP encoder groups a batch's spans by resource in a dict, hashing each
+    span's resource, and ``Resource.__hash__`` serializes the attributes to JSON each time.
+    perfsdk's resource (``build_resource``) computes its hash once, when it is made: encoding
+    serializes nothing, and the bytes are those a plain ``Resource`` gives."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk import resources
+
+    import perfsdk
+    from perfsdk.export.spans import HashedResource, build_resource, build_spans
+    from perfsdk.testing import capture
+
+    @perfsdk.profiled("encoded")
+    def work() -> int:
+        return 1
+
+    with capture() as cap:
+        for _ in range(20):
+            work()
+        perfsdk.flush()
+    ours = build_resource(perfsdk.get_config())
+    plain = Resource(ours.attributes, ours.schema_url)
+    assert isinstance(ours, HashedResource)
+    assert ours == plain
+    assert hash(ours) == hash(plain)
+    real, serialized = resources.dumps, []
+    monkeypatch.setattr(resources, "dumps",
+                        lambda *a, **k: serialized.append(1) or real(*a, **k))
+    encoded = {}
+    for name, resource in (("ours", ours), ("plain", plain)):
+        serialized.clear()
+        spans = build_spans(cap.records, resource, {})
+        encoded[name] = encode_spans(spans).SerializeToString()
+        assert len(spans) == 20
+        if name == "ours":
+            assert serialized == []
+        else:
+            assert len(serialized) >= 20  # a hash a span (and one more for the batch)
+    assert encoded["ours"] == encoded["plain"]
