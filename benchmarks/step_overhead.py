@@ -60,6 +60,9 @@ CONFIGS = {
     "otlp_drop": "spans and metrics, owned mode, to exporters that drop them "
                  "(configure(exporter=[span exporter, metric exporter])): an OTLP set-up "
                  "without the network",
+    "otlp_encode": "as otlp_drop, but the span exporter encodes each batch as OpenTelemetry's "
+                   "OTLP exporters do (encode_spans(...).SerializePartialToString()) before "
+                   "dropping the bytes: an OTLP set-up's CPU without the network",
     "run": "what `perfsdk run` configures: file and trace exporters (spans-<pid>.jsonl and a "
            "Chrome trace in a temporary directory) and the run's recorder sink",
 }
@@ -277,11 +280,15 @@ def child(args: argparse.Namespace) -> int:
     mse = torch.nn.functional.mse_loss
 
     class DropSpans(SpanExporter):
-        def __init__(self) -> None:
+        def __init__(self, encode: Callable[[Any], Any] | None = None) -> None:
             self.spans = 0
+            self.encode = encode
+            self.encoded_bytes = 0
 
         def export(self, spans: Any) -> SpanExportResult:
             self.spans += len(spans)
+            if self.encode is not None:  # what OTLPSpanExporter.export does before sending
+                self.encoded_bytes += len(self.encode(spans).SerializePartialToString())
             return SpanExportResult.SUCCESS
 
         def shutdown(self) -> None:
@@ -306,9 +313,14 @@ def child(args: argparse.Namespace) -> int:
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
             pass
 
-    drop_spans = DropSpans()
+    encode: Callable[[Any], Any] | None = None
+    if config == "otlp_encode":
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        encode = encode_spans
+    drop_spans = DropSpans(encode)
     recorder: Any = None
-    if config == "otlp_drop":
+    if config in ("otlp_drop", "otlp_encode"):
         perfsdk.configure(exporter=[drop_spans, DropMetrics()])
     elif config == "run":
         from perfsdk.cli.runfile import RunRecorder
@@ -576,7 +588,9 @@ def child(args: argparse.Namespace) -> int:
     out = {
         "config": config, "label": CONFIGS[config], "nvtx_loaded": loaded,
         "identical_weights": identical,
-        "expected_spans_per_step": spans_per_step if config == "otlp_drop" else None,
+        "expected_spans_per_step": (spans_per_step if config in ("otlp_drop", "otlp_encode")
+                                    else None),
+        "encoded_bytes": drop_spans.encoded_bytes,
         "variants": samples,
         "calls_ns": calls,
         "calls_by_hand_ns": calls_hand,
@@ -725,6 +739,7 @@ def report(args: argparse.Namespace, calibration: dict[str, Any], children: dict
             "plain_step_ms": percentile(all_plain, 50) / 1e6,
             "identical_weights": c["identical_weights"],
             "expected_spans_per_step": c["expected_spans_per_step"],
+            "encoded_bytes": c["encoded_bytes"],
             "variants": variants,
             "caller_us_per_call": calls,
             "caller_us_per_step": sum(calls.values()),

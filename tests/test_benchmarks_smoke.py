@@ -312,7 +312,7 @@ def test_metrics_cost_benchmark_shape(tmp_path: Path):
 
 # -- benchmarks/step_overhead.py ------------------------------------------------------------------
 STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
-STEP_CONFIGS = {"summary", "otlp_drop", "run"}
+STEP_CONFIGS = {"summary", "otlp_drop", "otlp_encode", "run"}
 STEP_VARIANTS = {"full", "step", "timed", "by_hand", "none"}
 STEP_PRIMITIVES = {"a Python call", "perf_counter_ns", "nvtx push + pop", "getrandbits(64)",
                    "Region allocation", "context switch", "record to queue", "thread id check",
@@ -364,11 +364,14 @@ def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
     result, _ = step_overhead_run
     for name, config in result["configs"].items():
         assert config["identical_weights"] is True, name
-    drop = result["configs"]["otlp_drop"]
-    assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "timed": 4, "by_hand": 0,
-                                               "none": 0}
-    for variant, spans in drop["expected_spans_per_step"].items():
-        assert drop["variants"][variant]["spans_per_step"] == spans, variant
+    for name in ("otlp_drop", "otlp_encode"):
+        drop = result["configs"][name]
+        assert drop["expected_spans_per_step"] == {"full": 4, "step": 1, "timed": 4,
+                                                   "by_hand": 0, "none": 0}, name
+        for variant, spans in drop["expected_spans_per_step"].items():
+            assert drop["variants"][variant]["spans_per_step"] == spans, (name, variant)
+    assert result["configs"]["otlp_drop"]["encoded_bytes"] == 0
+    assert result["configs"]["otlp_encode"]["encoded_bytes"] > 0  # OTel's encoder ran
 
 
 def test_step_overhead_block_ratio_cancels_the_pair_order_effect(monkeypatch):
