@@ -816,7 +816,7 @@ def print_table(result: dict[str, Any]) -> None:
           "over all pairs at once;\ntotal = the same with each block's total time "
           "ratio (background bursts included); added = median per-pair difference;\n"
           "bg cpu = CPU time of perfsdk's other threads per instrumented step\n")
-    head = (f"{'config':<11}{'variant':<9}{'plain ms':>9}{'overhead':>10}{'IQR':>17}"
+    head = (f"{'config':<12}{'variant':<9}{'plain ms':>9}{'overhead':>10}{'IQR':>17}"
             f"{'one median':>11}{'total':>9}{'IQR':>17}{'added us':>10}{'bg cpu us':>10}"
             f"{'spans':>7}")
     print(head)
@@ -824,7 +824,7 @@ def print_table(result: dict[str, Any]) -> None:
     for name, c in result["configs"].items():
         for v, r in c["variants"].items():
             o, t = r["overhead"], r["overhead_total_time"]
-            print(f"{name:<11}{v:<9}{r['plain_step_ms']:>9.2f}{o['median']:>+10.2%}"
+            print(f"{name:<12}{v:<9}{r['plain_step_ms']:>9.2f}{o['median']:>+10.2%}"
                   f"{'(' + format(o['p25'], '+.2%') + ', ' + format(o['p75'], '+.2%') + ')':>17}"
                   f"{r['overhead_one_median']['median']:>+11.2%}{t['median']:>+9.2%}"
                   f"{'(' + format(t['p25'], '+.2%') + ', ' + format(t['p75'], '+.2%') + ')':>17}"
@@ -833,19 +833,19 @@ def print_table(result: dict[str, Any]) -> None:
     print("\ncalling thread, in place: median us per call (full variant, probe steps; by hand: "
           "the same boundaries written by hand), and how much slower the model's own sections "
           "ran than the plain copy's (the mean over the copies' two roles)")
-    head = f"{'config':<11}" + "".join(f"{c:>16}" for c in CALLS) + f"{'sum':>8}"
+    head = f"{'config':<12}" + "".join(f"{c:>16}" for c in CALLS) + f"{'sum':>8}"
     print(head)
     print("-" * len(head))
     for name, c in result["configs"].items():
         calls = c["caller_us_per_call"]
-        print(f"{name:<11}" + "".join(f"{calls[k]:>16.1f}" for k in CALLS)
+        print(f"{name:<12}" + "".join(f"{calls[k]:>16.1f}" for k in CALLS)
               + f"{c['caller_us_per_step']:>8.1f}")
         hand = c["by_hand_us_per_call"]
-        print(f"{'  by hand':<11}" + "".join(f"{hand[k]:>16.1f}" for k in CALLS)
+        print(f"{'  by hand':<12}" + "".join(f"{hand[k]:>16.1f}" for k in CALLS)
               + f"{c['by_hand_us_per_step']:>8.1f}")
     for name, c in result["configs"].items():
         body = c["body_slowdown_us"]
-        print(f"{name:<11}model sections slower by: " + ", ".join(
+        print(f"{name:<12}model sections slower by: " + ", ".join(
             f"{k} {v:+.1f} us" for k, v in body.items()))
     print("\nin place: median us of each thing a region transition does, timed as the first "
           "Python work after a step's backward (one per step, in rotation)")
