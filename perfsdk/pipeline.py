@@ -62,6 +62,7 @@ summary, exit) run without rests."""
 
 _rest = time.sleep
 _clock = time.perf_counter
+_monotonic = time.monotonic  # flush's deadline (a test injects a clock here)
 
 
 def chunk_for(size: int, took: float) -> int:
@@ -421,15 +422,21 @@ class Pipeline:
 
     def flush(self, timeout: float) -> None:
         """Resolve and hand over every finished region, then let each sink push out what it
-        holds; returns within ``timeout`` seconds whatever the exporters do."""
-        deadline = time.monotonic() + timeout
+        holds; returns within ``timeout`` seconds whatever the exporters do.
+
+        Each sink waits at most its share of what is left (what is left over the sinks still
+        to flush), and what one leaves unused goes to the next: one exporter waiting on an
+        unreachable collector (spans queued for a retry) cannot use up the others' time, so
+        the metrics after it are still exported, or their failure said."""
+        deadline = _monotonic() + timeout
         self.settle(timeout)
-        for sink in list(self.sinks):
-            left = deadline - time.monotonic()
+        sinks = list(self.sinks)
+        for index, sink in enumerate(sinks):
+            left = deadline - _monotonic()
             if left <= 0:
                 break
             try:
-                sink.flush(left)
+                sink.flush(left / (len(sinks) - index))
             except Exception as exc:
                 warn_once(f"flush:{type(sink).__name__}",
                           f"perfsdk: flushing {type(sink).__name__} failed ({exc!r}).")

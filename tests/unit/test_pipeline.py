@@ -105,6 +105,30 @@ def test_shutdown_shares_one_budget_among_the_sinks() -> None:
     assert second.timeouts[0] <= first.timeouts[0] - 0.3
 
 
+def test_flush_gives_each_sink_a_share_so_a_stuck_one_starves_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink that waits out whatever it is given (spans queued for a retry to an unreachable
+    collector) gets its share of what is left; the sinks after it still flush, with what it
+    left them; what a quick sink leaves goes on to the next. Time is a fake clock that only
+    the waiting sink advances."""
+    now = [1000.0]
+    monkeypatch.setattr(_pipeline, "_monotonic", lambda: now[0])
+    pipe = Pipeline()
+
+    class Stuck(Recorder):
+        def flush(self, timeout: float) -> None:
+            super().flush(timeout)
+            now[0] += timeout  # waits until its time is up
+
+    quick, stuck, after, last = Recorder(), Stuck(), Recorder(), Recorder()
+    pipe.sinks += [quick, stuck, after, last]
+    pipe.flush(8.0)
+    assert quick.timeouts == [2.0]  # 8 s over 4 sinks; it used none of it
+    assert stuck.timeouts == [8.0 / 3]  # what is left over the 3 still to flush
+    assert after.timeouts == [pytest.approx((8.0 - 8.0 / 3) / 2)]
+    assert last.timeouts == [pytest.approx(8.0 - 8.0 / 3)]
+
+
 def test_a_worker_exits_within_the_worker_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     budgets: list[float] = []
     monkeypatch.setattr(_pipeline.PIPELINE, "shutdown", budgets.append)
