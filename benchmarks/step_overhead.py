@@ -54,6 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "step_overhead.json"
 TARGET_MAX = 0.01  # issue 16: loop-level regions add at most 1% to a 3-5 ms step
 STEP_MS_RANGE = (3.0, 5.0)  # the step the target is stated for
+SPAN_CONFIGS = ("otlp_drop", "otlp_encode")  # configurations whose spans reach DropSpans
 
 CONFIGS = {
     "summary": "default configuration (PERFSDK_EXPORTER=none): the in-process summary only",
@@ -320,7 +321,7 @@ def child(args: argparse.Namespace) -> int:
         encode = encode_spans
     drop_spans = DropSpans(encode)
     recorder: Any = None
-    if config in ("otlp_drop", "otlp_encode"):
+    if config in SPAN_CONFIGS:
         perfsdk.configure(exporter=[drop_spans, DropMetrics()])
     elif config == "run":
         from perfsdk.cli.runfile import RunRecorder
@@ -588,8 +589,7 @@ def child(args: argparse.Namespace) -> int:
     out = {
         "config": config, "label": CONFIGS[config], "nvtx_loaded": loaded,
         "identical_weights": identical,
-        "expected_spans_per_step": (spans_per_step if config in ("otlp_drop", "otlp_encode")
-                                    else None),
+        "expected_spans_per_step": spans_per_step if config in SPAN_CONFIGS else None,
         "encoded_bytes": drop_spans.encoded_bytes,
         "variants": samples,
         "calls_ns": calls,

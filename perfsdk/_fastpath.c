@@ -2121,14 +2121,14 @@ static struct {
 #define STEPS_SLOT(steps, name) SLOT(steps, steps_slots.name)
 static PyObject *k_step, *k_samples, *k_amp, *k_samples_per_s, *s_active_phase, *int_one;
 
-/* Whether the steps have no schedule, are not paused and have no listeners (an empty list): the
- * compiled steps' common case. */
+/* Whether the steps are not paused and have no listeners (an empty list): what a compiled step
+ * end needs; a compiled step start needs no schedule too. */
 static int
-steps_plain(PyObject *steps)
+steps_quiet(PyObject *steps)
 {
     PyObject *listeners = STEPS_SLOT(steps, listeners);
-    return STEPS_SLOT(steps, schedule) == Py_None && STEPS_SLOT(steps, paused) == Py_False
-           && listeners != NULL && PyList_CheckExact(listeners) && PyList_GET_SIZE(listeners) == 0;
+    return STEPS_SLOT(steps, paused) == Py_False && listeners != NULL
+           && PyList_CheckExact(listeners) && PyList_GET_SIZE(listeners) == 0;
 }
 
 /* Steps._end(step, error) compiled: 0 done (or nothing to do), 1 for the Python code (nothing
@@ -2145,8 +2145,7 @@ step_end_fast(PyObject *steps, PyObject *step, PyObject *error)
     if ((value = STEPS_SLOT(steps, current)) != step) {
         return value == NULL; /* already ended: as Python, nothing to do (unset: Python) */
     }
-    if (STEPS_SLOT(steps, paused) != Py_False || (value = STEPS_SLOT(steps, listeners)) == NULL
-        || !PyList_CheckExact(value) || PyList_GET_SIZE(value) != 0) {
+    if (!steps_quiet(steps)) {
         return 1;
     }
     if (SLOT(step, step_slots.flops) != Py_None || (region = SLOT(step, step_slots.region)) == NULL
@@ -2263,7 +2262,8 @@ step_start_fast(PyObject *steps, PyObject *samples, PyObject *flops, PyObject **
             return 0; /* Python raises, naming it (an int: no error here) */
         }
     }
-    if (!steps_plain(steps) || STEPS_SLOT(steps, indices) == NULL
+    if (STEPS_SLOT(steps, schedule) != Py_None || !steps_quiet(steps)
+        || STEPS_SLOT(steps, indices) == NULL
         || (value = STEPS_SLOT(steps, current)) == NULL
         || (value != Py_None && Py_TYPE(value) != step_type)) {
         return 0;
