@@ -11,6 +11,7 @@
   (``-n 2 --dist loadfile`` in pyproject.toml's ``addopts``): a module-scoped fixture (a
   benchmark's run, a torchrun job, the demo) runs once, and a file's tests keep their order.
   A pytest that a test starts itself passes ``-n 0``.
+* A ``gpu`` test that leaves torch's CUDA sync debug mode changed fails (and it is put back).
 * Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``captured`` (in-memory capture of
   resolved regions and spans) and the autouse ``fresh_config`` that restores perfsdk's settings
   and warning counts and drains the pipeline after every test. ``nvtx_lib`` (the NVTX recording
@@ -113,6 +114,28 @@ def fresh_config() -> Iterator[None]:
     nothing leaks into the next test's capture or summary)."""
     yield
     reset()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_state_put_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A ``gpu`` test that leaves torch's CUDA sync debug mode changed fails, and the mode is
+    put back: left at ``error`` it made every later test's ``model.to("cuda")`` raise."""
+    if request.node.get_closest_marker("gpu") is None or not _cuda_available():
+        yield
+        return
+    import torch
+
+    try:
+        before = torch.cuda.get_sync_debug_mode()
+    except (AssertionError, RuntimeError):  # CUDA that only says it is there (a test's fake)
+        yield
+        return
+    yield
+    after = torch.cuda.get_sync_debug_mode()
+    if after != before:
+        torch.cuda.set_sync_debug_mode(before)
+        pytest.fail(f"this test left torch's CUDA sync debug mode at {after} (it was {before}); "
+                    "put back for the next test", pytrace=False)
 
 
 @pytest.fixture

@@ -113,11 +113,17 @@ class _Shared:
         backend = _device.active()
         if backend is None:
             return
+        prior = None
         try:
             prior = int(backend.get_sync_debug_mode())
             if prior == 0:
-                backend.set_sync_debug_mode(1)
+                _set_debug_mode(backend, 1)
         except Exception as exc:  # never break the program over an optional extra
+            if prior == 0:  # set, then failed (a warning filter set to error, say): undo it
+                try:
+                    _set_debug_mode(backend, 0)
+                except Exception:
+                    pass
             warn_once("sync-debug-mode", f"perfsdk: torch's CUDA sync debug mode is not "
                       f"available ({exc}); no_sync_guard uses its own detector only")
             return
@@ -132,7 +138,7 @@ class _Shared:
             return
         try:
             if self.prior_debug == 0:
-                self.backend.set_sync_debug_mode(0)
+                _set_debug_mode(self.backend, 0)
         finally:
             if warnings.showwarning is _showwarning:
                 warnings.showwarning = self.showwarning
@@ -144,12 +150,27 @@ class _Shared:
 
 SHARED = _Shared()
 
+PROTOTYPE_MESSAGE = "Synchronization debug mode is a prototype feature"
+"""What torch warns, once a process, at the first ``set_sync_debug_mode``: perfsdk's own use of
+the mode is not the program's business, and under ``-W error`` the warning would raise after
+the mode was set."""
+
+
+def _set_debug_mode(backend: Any, mode: int) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PROTOTYPE_MESSAGE, category=UserWarning)
+        backend.set_sync_debug_mode(mode)
+
 
 def _showwarning(message: Any, category: type[Warning], filename: str, lineno: int,
                  file: Any = None, line: str | None = None) -> None:
     if issubclass(category, UserWarning) and DEBUG_MESSAGE in str(message):
-        if _syncops.LOCAL.quiet:
+        local = _syncops.LOCAL
+        if local.quiet:
             return  # the detector or an explicit wrapper already reported this sync
+        if local.decided:  # torch delivers it as the user's call returns: decided already
+            local.decided -= 1
+            return
         if _active() is not None:
             _report("cuda", "cuda sync debug mode")
             return

@@ -305,6 +305,11 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.depth = 0
         self.quiet = 0  # > 0 inside an operation already classified at a higher level
+        # Operators the dispatch mode decided in the current user-level call. On a GPU, torch's
+        # sync debug mode warns from C++, and the warning reaches Python only when the
+        # outermost torch call returns (``Tensor.item``, ``Tensor.__getitem__``), after the
+        # operator and its ``quiet`` are done: it is the same sync, already decided.
+        self.decided = 0
         self.modes: tuple[_FunctionMode, _DispatchMode] | None = None
 
 
@@ -321,13 +326,17 @@ class _FunctionMode(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         classify = _FUNCTION.get(func)
-        if classify is None:
-            if _ON_HOST and _all_host(args):  # computed from host copies alone: on the host
-                out = func(*args, **kwargs)
-                _mark_host(out)
-                return out
-            return func(*args, **kwargs)
         local = LOCAL
+        if classify is None:
+            host = _ON_HOST and _all_host(args)  # computed from host copies alone: on the host
+            decided, local.decided = local.decided, 0  # this call's own (see _Local.decided)
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                local.decided = decided
+            if host:
+                _mark_host(out)
+            return out
         scope = self._active()
         if scope is not None and not local.quiet:
             label, real = _classify(classify, args, kwargs, scope)
@@ -363,11 +372,13 @@ class _DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._report(label, func._schema.name, real)
         # Decided here either way: torch's sync debug mode must not second-guess it (a
         # blocking host-to-device copy waits on the stream, but is how a GPU is fed).
-        LOCAL.quiet += 1
+        local = LOCAL
+        local.quiet += 1
         try:
             return func(*args, **kwargs)
         finally:
-            LOCAL.quiet -= 1
+            local.quiet -= 1
+            local.decided += 1
 
 
 def _on_stack(modes: tuple[_FunctionMode, _DispatchMode]) -> bool:

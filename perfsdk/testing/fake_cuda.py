@@ -211,6 +211,8 @@ class FakeCuda:
         self.peak = 0
         self.history: list[dict[str, Any]] | None = None
         self.sync_debug_mode = 0
+        self._prototype_warned = False  # torch warns at the first set_sync_debug_mode
+        self._held: list[str] = []  # operators' debug-mode warnings not yet delivered
         # streams and CUDA graphs
         self.default_stream = FakeStream(self)
         self._streams = [self.default_stream]
@@ -338,6 +340,10 @@ class FakeCuda:
                                    "`warn`, `error`")
             debug_mode = modes[debug_mode]
         self.sync_debug_mode = int(debug_mode)
+        if not self._prototype_warned:  # as torch: once (a process), after the mode is set
+            self._prototype_warned = True
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet "
+                          "detect all synchronizing operations", UserWarning, stacklevel=2)
 
     def _index(self, device: Any) -> int:
         """torch's device argument (None, an index, ``"cuda:1"``, a ``torch.device``) as an
@@ -363,6 +369,26 @@ class FakeCuda:
             warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
         elif self.sync_debug_mode == 2:
             raise RuntimeError("called a synchronizing CUDA operation")
+
+    def operator_sync(self, name: str) -> None:
+        """A sync inside an ATen operator (``.item()``'s ``_local_scalar_dense``, ``nonzero``),
+        as torch's debug mode reports it from C++: ``error`` raises at once, but ``warn``'s
+        warning reaches Python only when the outermost torch call returns (``Tensor.item``),
+        after the operator: :meth:`deliver_held` delivers it then (fake tensors call both)."""
+        if self.capturing is not None:
+            self.capturing._invalid = True
+            raise RuntimeError(_CAPTURING)
+        self.sync_calls.append(name)
+        if self.sync_debug_mode == 1:
+            self._held.append(name)
+        elif self.sync_debug_mode == 2:
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+    def deliver_held(self) -> None:
+        """The held debug-mode warnings, delivered as a torch call returning to Python does."""
+        while self._held:
+            self._held.pop(0)
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=3)
 
     # the test's controls
     def implicit_sync(self, name: str = "cudaMemcpy") -> None:

@@ -32,6 +32,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from perfsdk import _device
+from perfsdk.testing.fake_cuda import FakeCuda
+
 __all__ = ["FakeCudaTensor", "FakePinnedTensor"]
 
 _CUDA = torch.device("cuda", 0)
@@ -187,6 +190,17 @@ def _move(func: Any, self: FakeCudaTensor, args: tuple[Any, ...], kwargs: dict[s
     return self if out is data else FakeCudaTensor(out)
 
 
+_OPERATOR_SYNCS = frozenset({torch.ops.aten._local_scalar_dense.default,
+                             torch.ops.aten.nonzero.default})
+"""Operators that synchronize on a GPU from inside: with a fake GPU in use they are reported to
+it as torch's sync debug mode reports them (``FakeCuda.operator_sync``)."""
+
+
+def _fake_backend() -> Any:
+    backend = _device.get_backend()
+    return backend if isinstance(backend, FakeCuda) else None
+
+
 class FakeCudaTensor(_Wrapper):
     """A CPU tensor that reports ``device == cuda:0``. Build with ``FakeCudaTensor(tensor)``;
     gradients work (see the module's notes on autograd)."""
@@ -200,16 +214,25 @@ class FakeCudaTensor(_Wrapper):
         from_data = _FROM_DATA.get(func)
         if from_data is not None:
             return from_data(*args, **kwargs)
-        if getattr(func, "__name__", None) not in _ACCESSORS and _records_grad(args, kwargs):
-            if func in _HOST_READS:
-                return func(*tree_map(_detached, args), **tree_map(_detached, kwargs))
-            return _with_autograd(func, args, kwargs)
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        try:
+            if getattr(func, "__name__", None) not in _ACCESSORS and _records_grad(args, kwargs):
+                if func in _HOST_READS:
+                    return func(*tree_map(_detached, args), **tree_map(_detached, kwargs))
+                return _with_autograd(func, args, kwargs)
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        finally:  # the call returns to Python: torch's C++ warnings are delivered now
+            fake = _fake_backend()
+            if fake is not None and fake._held:
+                fake.deliver_held()
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _OPERATOR_SYNCS:
+            fake = _fake_backend()
+            if fake is not None:
+                fake.operator_sync(func._schema.name)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         if func is torch.ops.aten.is_pinned.default:
             return False

@@ -1,9 +1,30 @@
-"""A GPU kernel of a known length for the gpu tests: ``torch.cuda._sleep`` spins for a number
-of cycles; :func:`spin_for` calibrates that number on the GPU at hand."""
+"""Helpers for the gpu tests: a GPU kernel of a known length (``torch.cuda._sleep`` spins for a
+number of cycles; :func:`spin_for` calibrates that number on the GPU at hand) and torch's sync
+debug mode for a block (:func:`sync_debug_mode`)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import torch
+
+
+@contextlib.contextmanager
+def sync_debug_mode(mode: str) -> Iterator[None]:
+    """torch's CUDA sync debug mode set to ``mode`` for the block, then back to ``default``.
+    Setting it warns once a process that the mode is a prototype: under the tests'
+    ``-W error`` that raised after the mode was set (an H200 run: left at ``error``, it made
+    every later test's ``model.to("cuda")`` raise), so that one warning is ignored here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype",
+                                category=UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def sleep_ms(cycles: int) -> float:

@@ -14,6 +14,7 @@ import torch
 import perfsdk
 from perfsdk.flops import find_peak
 from perfsdk.testing import capture
+from tests.integration._gpu import sync_debug_mode
 
 pytestmark = pytest.mark.gpu
 
@@ -22,12 +23,9 @@ def test_count_flops_of_a_cuda_model_adds_no_sync() -> None:
     layer = torch.nn.Linear(256, 128, device="cuda")
     x = torch.randn(64, 256, device="cuda", requires_grad=True)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call now raises
-    try:
+    with sync_debug_mode("error"):  # any synchronizing call now raises
         forward = perfsdk.count_flops(layer, x)
         both = perfsdk.count_flops(layer, x, backward=True)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert forward == 2 * 64 * 256 * 128
     assert both == 3 * forward
     assert layer.weight.grad is None

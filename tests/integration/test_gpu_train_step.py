@@ -93,10 +93,10 @@ def test_fp16_training_converges_with_finite_losses():
     train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss,
                       amp="fp16", read_every=10)
     x, y = batch(100)
-    first = float(F.mse_loss(model(x), y))
+    first = float(F.mse_loss(model(x), y).detach())
     for _ in range(200):
         train(x, target=y)
-    final = float(F.mse_loss(model(x), y))
+    final = float(F.mse_loss(model(x), y).detach())
     assert math.isfinite(final)
     assert final < first / 2, (first, final)
     assert len(train.logged) == 20

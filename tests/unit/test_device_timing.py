@@ -286,7 +286,8 @@ CONTRACT = {
     (FakeStream, "query"): torch.cuda.Stream.query,
     (FakeStream, "wait_stream"): torch.cuda.Stream.wait_stream,
 }
-TEST_CONTROLS = {"launch", "advance", "complete_all", "alloc", "free", "implicit_sync"}
+TEST_CONTROLS = {"launch", "advance", "complete_all", "alloc", "free", "implicit_sync",
+                 "operator_sync", "deliver_held"}
 
 
 @pytest.mark.parametrize(("fake", "real"), list(CONTRACT.items()),
