@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from perfsdk._device import Graph, get_backend
 from perfsdk.errors import NoEffectWarning, warn_once
 from perfsdk.optimize._marks import applied, mark
+from perfsdk.sync.debug import DEBUG_MESSAGE, PROTOTYPE_MESSAGE
 from perfsdk.timing import timed_region
 
 __all__ = ["apply_cuda_graphs"]
@@ -169,6 +170,13 @@ class _GraphRunner:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                             entry.output)
 
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        self.entries.clear()
+        warn_once(f"cuda-graphs-capture:{self.label}",
+                  f"perfsdk: apply_cuda_graphs: capturing {self.label} failed "
+                  f"({_describe(exc)}); running eagerly from now on.")
+
     def _needs_grad(self, leaves: list[Any]) -> bool:
         return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
                 or any(p.requires_grad for p in self.model.parameters()))
@@ -214,30 +222,85 @@ class _GraphRunner:
         static = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = tree_unflatten(static, spec)
         device_type = self.device.type
+        syncs = 0
         if self.warmup:  # on a side stream, as torch's graph recipe does
             side = backend.Stream()
             side.wait_stream(backend.current_stream())
             with backend.stream(side):
-                for _ in range(self.warmup):
+                for i in range(self.warmup):
                     with _capture_autocast(device_type, autocast_dtype):
-                        self.inner(*args, **kwargs)
+                        if i == self.warmup - 1:
+                            syncs = _counting_syncs(backend, self.inner, args, kwargs)
+                        else:
+                            self.inner(*args, **kwargs)
             backend.current_stream().wait_stream(side)
+        if syncs:  # a capture would fail, and a failed capture can leave torch broken
+            return self._fail(RuntimeError(
+                f"the call synchronizes with the host ({syncs} time(s) in its last warm-up "
+                "call, seen by torch's sync debug mode), which a CUDA graph cannot capture; "
+                "perfsdk.no_sync_guard() names the lines"))
         graph = backend.CUDAGraph()
+        before = backend.current_stream()
         try:
-            with backend.graph(graph, capture_error_mode="thread_local"), \
+            # the outer stream context: a failed capture's exit leaves its own stream current
+            with backend.stream(before), \
+                    backend.graph(graph, capture_error_mode="thread_local"), \
                     _capture_autocast(device_type, autocast_dtype):
                 output = self.inner(*args, **kwargs)
         except Exception as exc:
-            self.failed = exc
-            self.entries.clear()
-            warn_once(f"cuda-graphs-capture:{self.label}",
-                      f"perfsdk: apply_cuda_graphs: capturing {self.label} failed "
-                      f"({_describe(exc)}); running eagerly from now on.")
-            return None
+            _settle_failed_capture(backend)
+            return self._fail(exc)
         self.captures += 1
         entry = _Entry(graph, [x for x in static if isinstance(x, torch.Tensor)], output)
         self.entries[key] = entry
         return entry
+
+
+def _counting_syncs(backend: Any, inner: Callable[..., Any], args: Any, kwargs: Any) -> int:
+    """Run ``inner`` once with torch's sync debug mode on ``warn``; how many syncs it made
+    (None of the program's own setting is changed: a mode already on is left alone, and then
+    nothing is counted)."""
+    try:
+        if backend.get_sync_debug_mode() != 0:
+            inner(*args, **kwargs)
+            return 0
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=PROTOTYPE_MESSAGE, category=UserWarning)
+            backend.set_sync_debug_mode(1)
+    except Exception:  # no debug mode here: the capture itself will tell
+        inner(*args, **kwargs)
+        return 0
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            inner(*args, **kwargs)
+    finally:
+        backend.set_sync_debug_mode(0)
+    syncs = 0
+    for w in seen:
+        if issubclass(w.category, UserWarning) and DEBUG_MESSAGE in str(w.message):
+            syncs += 1
+        else:  # the call's own warnings go on to the program
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return syncs
+
+
+def _settle_failed_capture(backend: Any) -> None:
+    """After a capture that raised: torch ended it before its RNG generators' epilogue, so
+    their state still says "capturing" and every later random op on the device raises
+    ("Offset increment outside graph capture"). An empty capture that succeeds runs the
+    epilogue and puts them back; the generators' offsets are not advanced by it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the graph is empty
+            empty = backend.CUDAGraph()
+            with backend.stream(backend.current_stream()), backend.graph(empty):
+                pass
+            del empty
+    except Exception as exc:
+        warn_once("cuda-graphs-settle", f"perfsdk: apply_cuda_graphs: after a failed "
+                  f"capture, torch's CUDA state could not be put back ({_describe(exc)}); "
+                  "random numbers on the GPU may fail in this process.")
 
 
 def _model_device(model: nn.Module) -> torch.device | None:

@@ -269,12 +269,16 @@ class FakeCuda:
               capture_error_mode: str = "global", enable_annotations: bool = False,
               check_input_liveness: bool = False) -> Iterator[None]:
         self.synchronize()  # torch.cuda.graph synchronizes before capturing
-        with self.stream(stream if stream is not None else FakeStream(self)):
-            cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
-            try:
-                yield
-            finally:
-                cuda_graph.capture_end()
+        side = self.stream(stream if stream is not None else FakeStream(self))
+        side.__enter__()
+        cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+        try:
+            yield
+        finally:
+            # as torch.cuda.graph's __exit__: when ending the capture raises (it was
+            # invalidated), the capture stream is left the current one
+            cuda_graph.capture_end()
+            side.__exit__(None, None, None)
 
     def profiler_start(self) -> None:
         self.profiler_calls.append("start")

@@ -135,3 +135,28 @@ def test_a_capture_that_syncs_falls_back_to_eager():
         torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-5)
     assert list(fallbacks(model)) == ["cuda_graphs"]
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randn(4, device="cuda")  # the device's random numbers still work
+
+
+def test_a_capture_that_fails_leaves_the_stream_and_the_rng_working():
+    """A capture that fails for a reason no warm-up shows (querying a stream while it
+    captures): torch's graph exit raised before it restored the stream and ended its
+    generators' capture (an H200 run: every later random op raised "Offset increment outside
+    graph capture"); perfsdk puts both back."""
+    class Queries(Net):
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            torch.cuda.current_stream().query()  # not permitted while the stream captures
+            return super().forward(x, scale)
+
+    torch.manual_seed(0)
+    eager = Queries().cuda()
+    model = Queries().cuda()
+    model.load_state_dict(eager.state_dict())
+    apply_cuda_graphs(model)
+    x = torch.randn(3, 32, device="cuda")
+    with torch.no_grad(), pytest.warns(PerfSDKWarning, match="capturing Queries failed"):
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert list(fallbacks(model)) == ["cuda_graphs"]
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert torch.randn(4, device="cuda").isfinite().all()
+    assert torch.nn.Linear(8, 8, device="cuda").weight.isfinite().all()

@@ -228,16 +228,50 @@ def test_a_failing_capture_falls_back_to_eager(fake_cuda):
     apply_cuda_graphs(model, device="cuda")
     x = torch.randn(3, 8)
     with torch.no_grad():
-        with pytest.warns(PerfSDKWarning, match=r"capturing Syncs failed \(RuntimeError: .*"
-                                                r"not permitted when stream is capturing; then "
-                                                r"RuntimeError: .*running eagerly"):
+        with pytest.warns(PerfSDKWarning, match=r"capturing Syncs failed \(RuntimeError: the "
+                                                r"call synchronizes with the host \(1 time.*"
+                                                r"running eagerly"):
             out = model(cuda(x))
         torch.testing.assert_close(out.cpu(), eager(x))
         torch.testing.assert_close(model(cuda(x)).cpu(), eager(x))  # eager, no new warning
     assert list(fallbacks(model)) == ["cuda_graphs"]
     assert isinstance(fallbacks(model)["cuda_graphs"], RuntimeError)
+    # seen in the last warm-up call, with torch's debug mode: no capture was tried (on a GPU a
+    # failed one left the capture stream current and the RNG broken), the mode is off again
+    assert fake_cuda.graphs_captured == 0
+    assert "synchronize" not in fake_cuda.sync_calls  # torch.cuda.graph's entry never ran
+    assert fake_cuda.sync_debug_mode == 0
     assert fake_cuda.capturing is None
     assert fake_cuda.current_stream() is fake_cuda.default_stream
+
+
+def test_a_capture_that_fails_puts_the_stream_and_the_rng_back(fake_cuda):
+    """A capture that fails for another reason (querying an event, say): torch's graph exit
+    leaves the capture stream current and the generators mid-capture; afterwards the stream is
+    the caller's again and an empty capture has run torch's epilogue."""
+    class Queries(MLP):
+        def forward(self, x, scale=1.0):
+            if fake_cuda.capturing is not None:  # not allowed while a stream is capturing
+                fake_cuda.capturing._invalid = True
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return super().forward(x, scale)
+
+    torch.manual_seed(0)
+    eager = Queries()
+    model = Queries()
+    model.load_state_dict(eager.state_dict())
+    apply_cuda_graphs(model, device="cuda")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        with pytest.warns(PerfSDKWarning, match=r"capturing Queries failed \(RuntimeError: .*"
+                                                r"not permitted when stream is capturing; then "
+                                                r"RuntimeError: .*running eagerly"):
+            out = model(cuda(x))
+        torch.testing.assert_close(out.cpu(), eager(x))
+    assert list(fallbacks(model)) == ["cuda_graphs"]
+    assert fake_cuda.current_stream() is fake_cuda.default_stream
+    assert fake_cuda.capturing is None
+    assert fake_cuda.graphs_captured == 1  # the empty one that puts the generators back
 
 
 # dynamo meets the fake device's tensor subclass (torch's own warning; the compile fails anyway)
