@@ -60,9 +60,31 @@ work at most, even when perfsdk's thread is saturated (it then falls behind inst
 bounded pending queue counts what it cannot take). Rounds that someone waits for (flush,
 summary, exit) run without rests."""
 
+POKE_GAP_S = 0.002
+"""At most one wake-up of the pipeline thread by region exits in this many seconds. Woken at
+every exit, it took the GIL from the training thread at every region: on an H200, a region
+around a small kernel cost 44 us instead of 26 (a drain per region, each re-checking every
+record that waits for the GPU sampler)."""
+
 _rest = time.sleep
 _clock = time.perf_counter
 _monotonic = time.monotonic  # flush's deadline (a test injects a clock here)
+
+
+def _gate_limit(gate: Callable[[int], bool], batch: list[Any]) -> int:
+    """The latest end among ``batch``'s records that ``gate`` lets through (-1: none). The gate
+    passes every end at or before one it passes, so a binary search over the ends asks it
+    about log2(n) of them, not each record (a drain asked it about every waiting record: on an
+    H200, 214,000 times for 2,000 regions)."""
+    ends = sorted({rec[T1] for rec in batch})
+    lo, hi = 0, len(ends)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gate(ends[mid]):
+            lo = mid + 1
+        else:
+            hi = mid
+    return ends[lo - 1] if lo else -1
 
 
 def chunk_for(size: int, took: float) -> int:
@@ -162,6 +184,7 @@ class Pipeline:
         self._in_hand = 0
         self._abandoned = 0
         self._chunk = CHUNK
+        self._poked = -POKE_GAP_S
         self._hand_lock = threading.Lock()
         self._set_up = threading.Event()
         self._ready_hook = False
@@ -195,9 +218,14 @@ class Pipeline:
 
     def poke(self) -> None:
         """At a region's exit on the GPU: if the oldest region still waiting for the GPU is done,
-        wake the background thread now instead of at its next interval. One ``query()``."""
+        wake the background thread now instead of at its next interval. One ``query()``, at
+        most once in :data:`POKE_GAP_S`."""
         waiting = self._waiting
         if waiting:
+            now = _monotonic()
+            if now - self._poked < POKE_GAP_S:
+                return
+            self._poked = now
             try:
                 done = waiting[0][END].query()
             except Exception:  # the list changed under us, or CUDA trouble: the poller copes
@@ -332,8 +360,9 @@ class Pipeline:
                 ready = [rec for rec in batch if rec[END] is None]
             if ready is None or len(ready) != len(batch):
                 ready = []
+                limit = None if gate is None or wait else _gate_limit(gate, batch)
                 for rec in batch:
-                    if gate is not None and not wait and not gate(rec[T1]):
+                    if limit is not None and rec[T1] > limit:
                         waiting.append(rec)  # e.g. the GPU sampler has not passed its end yet
                     elif rec[END] is None:
                         ready.append(rec)

@@ -306,3 +306,57 @@ def test_routine_rounds_size_their_chunks_by_time(monkeypatch: pytest.MonkeyPatc
     assert max(sizes) == _pipeline.MAX_CHUNK
     assert _pipeline.chunk_for(_pipeline.MIN_CHUNK, 1.0) == _pipeline.MIN_CHUNK
     assert _pipeline.chunk_for(100, 0.0) == 200
+
+
+def test_the_gpu_samplers_gate_is_asked_about_log_n_ends_not_every_record() -> None:
+    """Records wait until the GPU sampler has passed their end; a drain asks the gate about
+    log2(n) of the ends, not every record's (a drain per region had asked it about every
+    waiting record: 214,000 times for 2,000 regions on an H200)."""
+    spec = RegionSpec.create("gated")
+    pipe = Pipeline()
+    sink = Recorder()
+    pipe.sinks.append(sink)
+    horizon = 50
+    asked: list[int] = []
+
+    def gate(end: int) -> bool:
+        asked.append(end)
+        return end <= horizon
+
+    pipe.gate = gate
+    for t1 in [*range(1, 101), 30, 70]:  # in order, as one thread's regions end, and two late
+        pipe.submit(record(spec, 0, t1))
+    assert pipe.drain(wait=False) == 51  # 1..50 and the late 30
+    assert sorted(r[5] for r in sink.records) == sorted([*range(1, 51), 30])
+    assert len(asked) <= 8
+    assert pipe.pending == 51  # 51..100 and the late 70 wait for the sampler
+    horizon = 100
+    asked.clear()
+    assert pipe.drain(wait=False) == 51
+    assert len(asked) <= 8
+    assert pipe.pending == 0
+
+
+def test_region_exits_wake_the_pipeline_at_most_once_per_gap(fake_cuda: Any, monkeypatch: Any
+                                                             ) -> None:
+    """An exit on the GPU wakes the pipeline thread for a finished region, but not more often
+    than POKE_GAP_S: one query() in the gap, however many regions end in it."""
+    now = [100.0]
+    monkeypatch.setattr(_pipeline, "_monotonic", lambda: now[0])
+    pipe = Pipeline()
+    spec = RegionSpec.create("poked")
+    start, end = fake_cuda.Event(enable_timing=True), fake_cuda.Event(enable_timing=True)
+    start.record()
+    end.record()
+    pipe._waiting.append((spec.index, 1, 2, 0, 0, 1, 0, None, None, None, None, start, end,
+                          None, None))
+    before = fake_cuda.queries
+    for _ in range(10):
+        pipe.poke()
+    assert fake_cuda.queries - before == 1
+    assert pipe._wake.is_set()  # the region is done: the thread is woken
+    pipe._wake.clear()
+    now[0] += 2 * _pipeline.POKE_GAP_S
+    pipe.poke()
+    assert fake_cuda.queries - before == 2
+    assert pipe._wake.is_set()
