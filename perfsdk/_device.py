@@ -98,6 +98,46 @@ class CudaBackend(Protocol):
     def profiler_stop(self) -> None: ...
 
 
+_QUICK_EVENT: list[Any] = []  # [the type, or None where torch lacks what it needs]
+
+
+def _quick_event_type() -> Any:
+    """``torch.cuda.Event`` with a quicker ``record()``: the current stream read with two C
+    calls and its ``Stream`` object reused, where ``torch.cuda.current_stream()`` runs Python
+    (device index, environment lookups, a new ``Stream``): on an H200's host 4.3 us of a
+    5.9 us ``record()``, twice a region. The same stream: torch's own current stream, found
+    as ``current_stream()`` finds it (CUDA is initialized before any event is recorded)."""
+    if _QUICK_EVENT:
+        return _QUICK_EVENT[0]
+    C: Any = torch._C
+    base: Any = getattr(C, "_CudaEventBase", None)
+    get_stream: Any = getattr(C, "_cuda_getCurrentStream", None)
+    get_device: Any = getattr(C, "_cuda_getDevice", None)
+    if base is None or get_stream is None or get_device is None:
+        _QUICK_EVENT.append(None)
+        return None
+    streams: dict[Any, Any] = {}
+    record = base.record
+    make_stream: Any = torch.cuda.Stream
+
+    class QuickEvent(torch.cuda.Event):
+        __doc__ = torch.cuda.Event.__doc__
+
+        def record(self, stream: Any = None) -> None:
+            if stream is None:
+                data = get_stream(get_device())
+                stream = streams.get(data)
+                if stream is None:
+                    if len(streams) >= 256:  # streams come and go: keep the map bounded
+                        streams.clear()
+                    stream = streams[data] = make_stream(
+                        stream_id=data[0], device_index=data[1], device_type=data[2])
+            record(self, stream)
+
+    _QUICK_EVENT.append(QuickEvent)
+    return QuickEvent
+
+
 class TorchCuda:
     """The real backend: ``torch.cuda`` itself, never initialized by perfsdk."""
 
@@ -124,7 +164,8 @@ class TorchCuda:
 
     def Event(self, enable_timing: bool = False, blocking: bool = False,
               interprocess: bool = False) -> Event:
-        return torch.cuda.Event(  # type: ignore[no-untyped-call]
+        event_type: Any = _quick_event_type() or torch.cuda.Event
+        return event_type(  # type: ignore[no-any-return]
             enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
         )
 

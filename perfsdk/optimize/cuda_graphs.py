@@ -235,10 +235,11 @@ class _GraphRunner:
                             self.inner(*args, **kwargs)
             backend.current_stream().wait_stream(side)
         if syncs:  # a capture would fail, and a failed capture can leave torch broken
-            return self._fail(RuntimeError(
+            self._fail(RuntimeError(
                 f"the call synchronizes with the host ({syncs} time(s) in its last warm-up "
                 "call, seen by torch's sync debug mode), which a CUDA graph cannot capture; "
                 "perfsdk.no_sync_guard() names the lines"))
+            return None
         graph = backend.CUDAGraph()
         before = backend.current_stream()
         try:
@@ -249,7 +250,8 @@ class _GraphRunner:
                 output = self.inner(*args, **kwargs)
         except Exception as exc:
             _settle_failed_capture(backend)
-            return self._fail(exc)
+            self._fail(exc)
+            return None
         self.captures += 1
         entry = _Entry(graph, [x for x in static if isinstance(x, torch.Tensor)], output)
         self.entries[key] = entry

@@ -79,3 +79,26 @@ def test_device_ms_of_a_known_kernel_resolves_in_the_background_without_a_sync(m
     assert spin.device_ms <= outer.device_ms <= spin.device_ms + 5.0
     assert outer.span_id == spin.parent_span_id
     assert float(x) == 2.0
+
+
+def test_perfsdks_events_record_on_the_current_stream():
+    """perfsdk's events find the current stream without torch.cuda.current_stream()'s Python:
+    recorded inside ``torch.cuda.stream(side)``, they time the side stream's work."""
+    from perfsdk import _device
+
+    backend = _device.get_backend()
+    side = torch.cuda.Stream()
+    cycles, reference_ms = spin_for(20.0)
+    start, end = backend.Event(enable_timing=True), backend.Event(enable_timing=True)
+    assert type(start).__name__ == "QuickEvent"  # torch has what the quick record needs
+    with torch.cuda.stream(side):
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+    assert not end.query()  # behind the spin on the side stream
+    side.synchronize()
+    assert start.elapsed_time(end) == pytest.approx(reference_ms, rel=0.25)
+    other = backend.Event(enable_timing=True)
+    other.record()  # back on the default stream, outside the block
+    torch.cuda.synchronize()
+    assert other.query()
