@@ -33,11 +33,11 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x))) * scale
 
 
-def pair(**kwargs) -> tuple[Net, Net]:
-    """A graphed Net on the GPU and an eager copy of it."""
+def pair(cls: type[Net] = Net, **kwargs) -> tuple[Net, Net]:
+    """A graphed ``cls`` on the GPU and an eager copy of it."""
     torch.manual_seed(0)
-    eager = Net().cuda()
-    model = Net().cuda()
+    eager = cls().cuda()
+    model = cls().cuda()
     model.load_state_dict(eager.state_dict())
     return apply_cuda_graphs(model, **kwargs), eager
 
@@ -123,11 +123,7 @@ def test_a_capture_that_syncs_falls_back_to_eager():
             y = super().forward(x, scale)
             return y / (1 + 0 * y.abs().sum().item())  # .item(): not allowed in a capture
 
-    torch.manual_seed(0)
-    eager = Syncs().cuda()
-    model = Syncs().cuda()
-    model.load_state_dict(eager.state_dict())
-    apply_cuda_graphs(model)
+    model, eager = pair(Syncs)
     x = torch.randn(3, 32, device="cuda")
     with torch.no_grad(), pytest.warns(PerfSDKWarning, match="capturing Syncs failed"):
         torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-5)
@@ -148,11 +144,7 @@ def test_a_capture_that_fails_leaves_the_stream_and_the_rng_working():
             torch.cuda.current_stream().query()  # not permitted while the stream captures
             return super().forward(x, scale)
 
-    torch.manual_seed(0)
-    eager = Queries().cuda()
-    model = Queries().cuda()
-    model.load_state_dict(eager.state_dict())
-    apply_cuda_graphs(model)
+    model, eager = pair(Queries)
     x = torch.randn(3, 32, device="cuda")
     with torch.no_grad(), pytest.warns(PerfSDKWarning, match="capturing Queries failed"):
         torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-5)

@@ -215,17 +215,23 @@ class Unhashable:
         return other * self.value
 
 
+def eager_and_graphed(cls: type[MLP]) -> tuple[MLP, MLP]:
+    """An eager ``cls`` and a graphed copy with the same weights (on the CPU: fake CUDA)."""
+    torch.manual_seed(0)
+    eager = cls()
+    model = cls()
+    model.load_state_dict(eager.state_dict())
+    apply_cuda_graphs(model, device="cuda")
+    return eager, model
+
+
 def test_a_failing_capture_falls_back_to_eager(fake_cuda):
     class Syncs(MLP):
         def forward(self, x, scale=1.0):
             y = super().forward(x, scale)
             return y / (1 + 0 * y.abs().sum().item())  # .item(): a host sync, not capturable
 
-    torch.manual_seed(0)
-    eager = Syncs()
-    model = Syncs()
-    model.load_state_dict(eager.state_dict())
-    apply_cuda_graphs(model, device="cuda")
+    eager, model = eager_and_graphed(Syncs)
     x = torch.randn(3, 8)
     with torch.no_grad():
         with pytest.warns(PerfSDKWarning, match=r"capturing Syncs failed \(RuntimeError: the "
@@ -256,11 +262,7 @@ def test_a_capture_that_fails_puts_the_stream_and_the_rng_back(fake_cuda):
                 raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
             return super().forward(x, scale)
 
-    torch.manual_seed(0)
-    eager = Queries()
-    model = Queries()
-    model.load_state_dict(eager.state_dict())
-    apply_cuda_graphs(model, device="cuda")
+    eager, model = eager_and_graphed(Queries)
     x = torch.randn(3, 8)
     with torch.no_grad():
         with pytest.warns(PerfSDKWarning, match=r"capturing Queries failed \(RuntimeError: .*"
