@@ -9,6 +9,7 @@ import logging
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,6 +22,9 @@ from perfsdk.errors import NoEffectWarning, warn_once
 __all__ = ["CaptureRange", "TorchProfileRange", "nsys_command", "step_range"]
 
 logger = logging.getLogger("perfsdk.auto")
+
+CYCLE_NOTE = "Warning: Profiler clears events at the end of each cycle"
+"""What ``torch.profiler`` (2.11) warns when a profile starts without ``acc_events``."""
 
 
 def step_range(where: str, steps: Any) -> range:
@@ -175,7 +179,11 @@ class TorchProfileRange(_Range):
         try:
             self.profiler = tp.profile(activities=activities, record_shapes=self._record_shapes,
                                        with_stack=self._with_stack)
-            self.profiler.__enter__()
+            with warnings.catch_warnings():
+                # torch 2.11 notes at every start that a profiling cycle's end clears its
+                # events: this range is one cycle (and under -W error the note failed it)
+                warnings.filterwarnings("ignore", message=CYCLE_NOTE, category=UserWarning)
+                self.profiler.__enter__()
         except Exception as exc:
             self.profiler = None
             warn_once("torch-profile-start", f"perfsdk: torch_profile could not start "

@@ -6,7 +6,6 @@ A gpu-marked test checks the real thing."""
 from __future__ import annotations
 
 import copy
-import inspect
 import statistics
 import time
 
@@ -21,6 +20,7 @@ from perfsdk.optimize.compile import apply_compile
 from perfsdk.optimize.cuda_graphs import apply_cuda_graphs
 from perfsdk.pipeline import PIPELINE
 from perfsdk.testing import FakeCudaTensor, FakeGraph
+from tests.signatures import assert_stands_in, params
 
 
 class MLP(nn.Module):
@@ -417,19 +417,15 @@ def test_fake_capture_refuses_syncs(fake_cuda):
     assert fake_cuda.capturing is None
 
 
-def _params(fn, drop=("self", "cls")):
-    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
-            if p.name not in drop]
-
-
 def test_fake_graph_matches_torch_cuda_graph():
     public = {name for name, value in vars(FakeGraph).items()
               if callable(value) and not name.startswith("_")}
     assert public == {"capture_begin", "capture_end", "replay", "reset", "pool"}
     for name in public:
-        assert _params(getattr(FakeGraph, name)) == _params(getattr(torch.cuda.CUDAGraph, name))
-    assert _params(FakeGraph.__init__, drop=("self", "fake")) == \
-        _params(torch.cuda.CUDAGraph.__new__)
+        assert_stands_in(params(getattr(FakeGraph, name)),
+                         params(getattr(torch.cuda.CUDAGraph, name)))
+    assert params(FakeGraph.__init__, drop=("self", "fake")) == \
+        params(torch.cuda.CUDAGraph.__new__)
     for name, value in vars(_device.Graph).items():
         if callable(value) and not name.startswith("_"):
             assert hasattr(FakeGraph, name)
