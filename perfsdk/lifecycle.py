@@ -73,14 +73,17 @@ def _on_change(old: Config, new: Config) -> None:
         raise errors.MissingDependencyError(
             "opentelemetry-sdk", "otlp", f"exporter={_config._show(otel_new.exporters)}")
     if new.exporters != old.exporters or new.output_dir != old.output_dir:
-        PIPELINE.drain(wait=False)  # regions so far go to the trace file under the old settings
+        # Regions so far go out under the old settings: those still waiting for the GPU (or
+        # its sampler) too, waited for within the old export budget, or a GPU run lost them.
+        PIPELINE.settle(old.export_timeout_s)
         TRACE.configure(new)
     old, new = _for_otel(old), otel_new
     if SPANS is None:
         return
     fields = ("exporters", "output_dir", "service_name")
     if any(getattr(old, f) != getattr(new, f) for f in fields):
-        PIPELINE.drain(wait=False)  # regions so far go out under the old settings
+        PIPELINE.drain(wait=False)  # regions so far go out under the old settings (settled
+        # above when the exporters or the directory changed; the service name alone: queued)
         SPANS.configure(new, timeout=old.export_timeout_s)
         if METRICS is not None:
             METRICS.configure(new, timeout=old.export_timeout_s)

@@ -12,7 +12,8 @@
   benchmark's run, a torchrun job, the demo) runs once, and a file's tests keep their order.
   A pytest that a test starts itself passes ``-n 0``.
 * A ``gpu`` test that leaves torch's CUDA sync debug mode changed fails (and it is put back).
-* Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``captured`` (in-memory capture of
+* Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``no_cuda`` (the same, as a machine
+  without a GPU), ``captured`` (in-memory capture of
   resolved regions and spans) and the autouse ``fresh_config`` that restores perfsdk's settings
   and warning counts and drains the pipeline after every test. ``nvtx_lib`` (the NVTX recording
   injection library) comes from ``tests.nvtx_injection.fixtures``.
@@ -142,6 +143,18 @@ def _gpu_state_put_back(request: pytest.FixtureRequest) -> Iterator[None]:
 def fake_cuda() -> Iterator[FakeCuda]:
     """perfsdk's device interface routed to a fake GPU for the test."""
     with use_fake_cuda() as fake:
+        yield fake
+
+
+@pytest.fixture
+def no_cuda() -> Iterator[FakeCuda]:
+    """perfsdk's device interface routed to a machine without a GPU, on any machine: a test of
+    CPU behaviour must not depend on whether an earlier test initialized CUDA (on a GPU
+    machine one did, and regions recorded device events)."""
+    fake = FakeCuda()
+    fake.initialized = fake.available = False
+    fake.devices = []
+    with use_fake_cuda(fake):
         yield fake
 
 

@@ -680,6 +680,7 @@ class _Seen(nn.Module):
             return self.lin(x)
 
 
+@pytest.mark.usefixtures("no_cuda")  # a region with device events gives its child one too
 def test_a_submodule_rides_on_its_model_region_and_stands_as_the_parent():
     """A child module gets no Region of its own: its model's region stays the current span and
     stands for it (its span context is the child's), so what runs inside nests under it."""

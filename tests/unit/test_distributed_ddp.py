@@ -193,6 +193,7 @@ def our_hook(model: nn.parallel.DistributedDataParallel) -> Any:
     return hook
 
 
+@pytest.mark.usefixtures("no_cuda")  # on the CPU: host time only, on a GPU machine too
 def test_a_bucket_region_runs_from_the_call_to_the_futures_completion(group: None) -> None:
     futures: list[torch.futures.Future[torch.Tensor]] = []
     model = instrument_ddp(make_ddp(), hook=pending_hook(futures))

@@ -83,6 +83,7 @@ def test_short_regions_say_so(fake_cuda, telemetry):
     assert "perfsdk.gpu.power_w" not in attrs
 
 
+@pytest.mark.usefixtures("no_cuda")
 def test_no_sampling_without_cuda(telemetry):
     fake = FakeNvml(1)
     telemetry.nvml, telemetry.device_uuids = fake, fake.uuids

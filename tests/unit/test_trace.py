@@ -396,3 +396,15 @@ def test_a_single_process_has_no_rank_in_its_slices(tmp_path: Path,
     perfsdk.flush()
     (args,) = [e["args"] for e in slices(load(tmp_path / f"trace-{os.getpid()}.json"))]
     assert not any(k in args for k in distributed.RANK_ATTRIBUTES)
+
+
+def test_turning_the_exporter_off_writes_regions_still_waiting_for_the_gpu(
+        tmp_path: Path, fake_cuda: Any) -> None:
+    """On a GPU a region waits for its end event: turned off right after, the trace file still
+    gets it (an H200 run wrote no file: the region was handed on under the new settings)."""
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    with perfsdk.timed_region("kept"):
+        fake_cuda.launch(3.0)  # the GPU has not run it when the exporter is turned off
+    perfsdk.configure(exporter="none")
+    [path] = tmp_path.iterdir()
+    assert [e["name"] for e in slices(load(path))] == ["kept"]
