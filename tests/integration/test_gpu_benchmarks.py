@@ -70,11 +70,14 @@ def test_gpu_regions_benchmark_measures_what_it_claims(tmp_path):
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
     head = result["headline"]
-    assert set(head) == {"region_added_host_us", "syncs_in_timed_loops",
-                         "device_ms_relative_error", "cuda_graphs_speedup"}
+    assert set(head) == {"region_added_host_us", "region_vs_events_by_hand",
+                         "syncs_in_timed_loops", "device_ms_relative_error",
+                         "cuda_graphs_speedup"}
     assert head["syncs_in_timed_loops"]["value"] == 0, result["details"]["syncs"]
     assert head["device_ms_relative_error"]["value"] < 0.25, result["details"]["device_time"]
     assert positive(head["region_added_host_us"]["value"])
+    assert positive(head["region_vs_events_by_hand"]["value"])
+    assert len(result["details"]["region_cost"]["samples_ns"]["by_hand"]) == 5  # --quick
     assert positive(head["cuda_graphs_speedup"]["value"])
     assert result["details"]["cuda_graphs"]["device"] == "cuda"
     assert result["device"]["name"] == torch.cuda.get_device_name()
