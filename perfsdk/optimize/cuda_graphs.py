@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from perfsdk._device import Graph, get_backend
 from perfsdk.errors import NoEffectWarning, warn_once
 from perfsdk.optimize._marks import applied, mark
-from perfsdk.sync.debug import DEBUG_MESSAGE, PROTOTYPE_MESSAGE
+from perfsdk.sync.debug import DEBUG_MESSAGE, set_debug_mode
 from perfsdk.timing import timed_region
 
 __all__ = ["apply_cuda_graphs"]
@@ -266,9 +266,7 @@ def _counting_syncs(backend: Any, inner: Callable[..., Any], args: Any, kwargs: 
         if backend.get_sync_debug_mode() != 0:
             inner(*args, **kwargs)
             return 0
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=PROTOTYPE_MESSAGE, category=UserWarning)
-            backend.set_sync_debug_mode(1)
+        set_debug_mode(backend, 1)
     except Exception:  # no debug mode here: the capture itself will tell
         inner(*args, **kwargs)
         return 0
@@ -277,7 +275,7 @@ def _counting_syncs(backend: Any, inner: Callable[..., Any], args: Any, kwargs: 
             warnings.simplefilter("always")
             inner(*args, **kwargs)
     finally:
-        backend.set_sync_debug_mode(0)
+        set_debug_mode(backend, 0)
     syncs = 0
     for w in seen:
         if issubclass(w.category, UserWarning) and DEBUG_MESSAGE in str(w.message):

@@ -23,7 +23,7 @@ from perfsdk import _device
 from perfsdk.errors import warn_once
 from perfsdk.sync import ops as _syncops
 
-__all__ = ["DEBUG_MESSAGE", "SHARED"]
+__all__ = ["DEBUG_MESSAGE", "PROTOTYPE_MESSAGE", "SHARED", "set_debug_mode"]
 
 DEBUG_MESSAGE = "called a synchronizing CUDA operation"
 _lock = threading.Lock()
@@ -117,11 +117,11 @@ class _Shared:
         try:
             prior = int(backend.get_sync_debug_mode())
             if prior == 0:
-                _set_debug_mode(backend, 1)
+                set_debug_mode(backend, 1)
         except Exception as exc:  # never break the program over an optional extra
             if prior == 0:  # set, then failed (a warning filter set to error, say): undo it
                 try:
-                    _set_debug_mode(backend, 0)
+                    set_debug_mode(backend, 0)
                 except Exception:
                     pass
             warn_once("sync-debug-mode", f"perfsdk: torch's CUDA sync debug mode is not "
@@ -138,7 +138,7 @@ class _Shared:
             return
         try:
             if self.prior_debug == 0:
-                _set_debug_mode(self.backend, 0)
+                set_debug_mode(self.backend, 0)
         finally:
             if warnings.showwarning is _showwarning:
                 warnings.showwarning = self.showwarning
@@ -156,7 +156,8 @@ the mode is not the program's business, and under ``-W error`` the warning would
 the mode was set."""
 
 
-def _set_debug_mode(backend: Any, mode: int) -> None:
+def set_debug_mode(backend: Any, mode: int | str) -> None:
+    """``backend.set_sync_debug_mode(mode)`` without torch's prototype warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PROTOTYPE_MESSAGE, category=UserWarning)
         backend.set_sync_debug_mode(mode)

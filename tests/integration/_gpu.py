@@ -5,10 +5,11 @@ debug mode for a block (:func:`sync_debug_mode`)."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
+
+from perfsdk.sync.debug import set_debug_mode
 
 
 @contextlib.contextmanager
@@ -17,10 +18,7 @@ def sync_debug_mode(mode: str) -> Iterator[None]:
     Setting it warns once a process that the mode is a prototype: under the tests'
     ``-W error`` that raised after the mode was set (an H200 run: left at ``error``, it made
     every later test's ``model.to("cuda")`` raise), so that one warning is ignored here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype",
-                                category=UserWarning)
-        torch.cuda.set_sync_debug_mode(mode)
+    set_debug_mode(torch.cuda, mode)
     try:
         yield
     finally:
