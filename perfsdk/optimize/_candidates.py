@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -101,13 +102,16 @@ def _amp_label(dtype: Any, device_type: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(text, text)
 
 
-def choose(rows: dict[str, StepResult], candidates: list[Candidate], device_type: str) -> str:
+def choose(rows: dict[str, StepResult], candidates: list[Candidate], device_type: str,
+           uncertain: Mapping[str, str] | None = None) -> str:
     """The fastest timed row if it beats eager by :data:`MIN_GAIN`; among rows within
     :data:`NEAR` of it, the one without compilation and with fewer transforms. Otherwise
-    :data:`BASELINE`."""
+    :data:`BASELINE`. Rows in ``uncertain`` (their gain is within the timings' noise) are not
+    kept, whatever their median says."""
     cost = {candidate_name(c, device_type): (any(t == "compile" for t, _ in c), len(c))
             for c in candidates}
-    timed = {n: r.speedup for n, r in rows.items() if r.speedup is not None}
+    timed = {n: r.speedup for n, r in rows.items()
+             if r.speedup is not None and n not in (uncertain or {})}
     if not timed or max(timed.values()) < MIN_GAIN:
         return BASELINE
     best = max(timed.values())
@@ -115,7 +119,8 @@ def choose(rows: dict[str, StepResult], candidates: list[Candidate], device_type
     return min(tied, key=lambda n: (cost[n], -timed[n]))
 
 
-def reasons(rows: dict[str, StepResult], chosen: str) -> dict[str, StepResult]:
+def reasons(rows: dict[str, StepResult], chosen: str,
+            uncertain: Mapping[str, str] | None = None) -> dict[str, StepResult]:
     """Each row with ``applied`` set and a reason saying why it was or was not kept."""
     top = rows[chosen].speedup or 1.0
     out: dict[str, StepResult] = {}
@@ -123,6 +128,8 @@ def reasons(rows: dict[str, StepResult], chosen: str) -> dict[str, StepResult]:
         reason, s = row.reason, row.speedup
         if row_name == chosen:
             reason = "chosen" if row_name != BASELINE else "chosen: no candidate beat eager"
+        elif reason == "passed" and uncertain and row_name in uncertain:
+            reason = uncertain[row_name]
         elif reason == "passed" and s is not None:
             reason = ("slower than baseline" if s < 1.0 else
                       f"not faster than baseline ({s:.2f}x < {MIN_GAIN:.2f}x)" if s < MIN_GAIN
