@@ -70,7 +70,13 @@ BUCKETS_MS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0
               500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0, 60000.0)
 DEFAULT_INTERVAL_MS = 10_000.0  # OTel's own default is 60 s
 DURATION, DEVICE = "perfsdk.region.duration", "perfsdk.region.device_duration"
-DESCRIBED = {DURATION: ("Host time of a region.", "ms"), DEVICE: ("Device time of a region.", "ms")}
+THROUGHPUT = "perfsdk.step.throughput"
+THROUGHPUT_BUCKETS = (0.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 250.0, 500.0, 750.0, 1000.0,
+                      2500.0, 5000.0, 7500.0, 10000.0)
+"""The SDK's default explicit bucket bounds, which the throughput histogram has always had."""
+DESCRIBED = {DURATION: ("Host time of a region.", "ms"), DEVICE: ("Device time of a region.", "ms"),
+             THROUGHPUT: ("Samples per second of a step (perfsdk.step(samples=...)).",
+                          "{sample}/s")}
 """The histograms perfsdk can aggregate itself (perfsdk.export.histograms): description, unit."""
 _GPU_METRICS = (  # (instrument, kind, unit, reading key, description)
     ("hw.gpu.utilization", "gauge", "1", "utilization", "Fraction of time the GPU was busy."),
@@ -227,8 +233,7 @@ class _Instruments:
         self.errors = meter.create_counter(
             "perfsdk.region.errors", unit="{error}", description="Regions left by an exception.")
         self.throughput = meter.create_histogram(
-            "perfsdk.step.throughput", unit="{sample}/s",
-            description="Samples per second of a step (perfsdk.step(samples=...)).")
+            THROUGHPUT, unit=DESCRIBED[THROUGHPUT][1], description=DESCRIBED[THROUGHPUT][0])
         meter.create_observable_up_down_counter(
             "process.memory.usage", [lambda _: [Observation(v) for v in (rss_bytes(),) if v]],
             unit="By", description="The amount of physical memory in use.")
@@ -243,12 +248,6 @@ class _Instruments:
         only): their values go there instead of to the instruments above."""
 
     def record(self, records: list[Record]) -> None:
-        histograms = self.histograms
-        if histograms is not None:
-            with histograms.lock:  # one lock a batch; an export takes it to read
-                self._aggregate(records, histograms.pending)
-        else:
-            self._record(records)
         throughput: list[tuple[float, str]] = []
         errors: dict[tuple[str, str], int] = {}
         for rec in records:
@@ -261,8 +260,16 @@ class _Instruments:
                 counted = (SPECS[rec[SPEC]].name, kind.__qualname__ if kind.__module__ ==
                            "builtins" else f"{kind.__module__}.{kind.__qualname__}")
                 errors[counted] = errors.get(counted, 0) + 1
-        for rate, name in throughput:
-            self.throughput.record(rate, {"perfsdk.region": name})
+        histograms = self.histograms
+        if histograms is not None:
+            with histograms.lock:  # one lock a batch; an export takes it to read
+                self._aggregate(records, histograms.pending)
+                if throughput:
+                    self._aggregate_throughput(throughput, histograms.pending)
+        else:
+            self._record(records)
+            for rate, name in throughput:  # about 6 us each, on the pipeline thread
+                self.throughput.record(rate, {"perfsdk.region": name})
         for (name, etype), n in errors.items():  # one add per name and type in the batch
             self.errors.add(n, {"perfsdk.region": name, "error.type": etype})
 
@@ -301,6 +308,18 @@ class _Instruments:
                     stream = pending[dkey] = Stream(DEVICE, attrs_of.get(key) or
                                                     self._attributes(key), BUCKETS_MS, now)
                 stream.add(device_ms)
+
+
+    def _aggregate_throughput(self, throughput: list[tuple[float, str]],
+                              pending: dict[Any, Stream]) -> None:
+        """Steps' samples/s into perfsdk's own streams, as :meth:`_aggregate` does durations."""
+        for rate, name in throughput:
+            key = (THROUGHPUT, name)
+            stream = pending.get(key)
+            if stream is None:
+                stream = pending[key] = Stream(THROUGHPUT, {"perfsdk.region": name},
+                                               THROUGHPUT_BUCKETS, time.time_ns())
+            stream.add(rate)
 
 
 class MetricsSink:

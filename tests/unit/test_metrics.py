@@ -30,7 +30,7 @@ import perfsdk
 from perfsdk import errors
 from perfsdk.config import Config
 from perfsdk.export import metrics as metrics_module
-from perfsdk.export.metrics import BUCKETS_MS, MetricsSink, rss_bytes
+from perfsdk.export.metrics import BUCKETS_MS, THROUGHPUT_BUCKETS, MetricsSink, rss_bytes
 from perfsdk.pipeline import PIPELINE
 from perfsdk.record import ATTRS, DEVICE_MS, ERROR, host_ms, spec_of
 from tests.integration._scripts.harness import clean_env
@@ -521,6 +521,64 @@ def test_own_histograms_equal_the_sdks(temporality: str):
     assert sdk._instruments.histograms is None
     ours.shutdown(5.0)
     sdk.shutdown(5.0)
+
+
+@pytest.mark.parametrize("temporality", ["cumulative", "delta"])
+def test_own_throughput_histogram_equals_the_sdks(temporality: str):
+    """Steps' samples/s go into perfsdk's own aggregation too (the SDK's Histogram.record cost
+    about 6 us a step on the pipeline thread): the same points as the SDK's, its default
+    bounds, export after export, and none reached the SDK's instrument."""
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    from perfsdk.auto import Steps
+
+    chosen = {Histogram: AggregationTemporality[temporality.upper()]}
+    exporter = _Recording()
+    exporter._preferred_temporality = chosen
+    ours = MetricsSink(Config(exporters=(exporter,)), global_provider=False)
+    reader = InMemoryMetricReader(preferred_temporality=chosen)
+    sdk = MetricsSink(Config(exporters=(reader,)), global_provider=False)
+
+    def work() -> None:
+        steps = Steps()
+        for samples in (32, 64, None, 8, 20000):
+            with steps.step(samples=samples):
+                sum(range(500))
+
+    to_sdk: dict[str, int] = {"ours": 0, "sdk": 0}
+    for round_ in range(2):  # a second export: cumulative adds up, delta starts again
+        recs = records_of(work)
+        ours.consume(recs)
+        sdk.consume(recs)
+        if round_ == 0:  # the instruments exist now: count what reaches the SDK's from here
+            for key, sink in (("ours", ours), ("sdk", sdk)):
+                assert sink._instruments is not None
+                instrument = sink._instruments.throughput
+                sink._instruments.throughput = _Counting(instrument, to_sdk, key)
+        ours.flush(5.0)
+        got = _hist_points(exporter.batches[-1], "perfsdk.step.throughput")
+        want = _hist_points(reader.get_metrics_data(), "perfsdk.step.throughput")
+        assert got == want
+        ((attrs, point),) = got.items()
+        assert attrs == (("perfsdk.region", "step"),)
+        assert point["bounds"] == THROUGHPUT_BUCKETS
+    assert ours._instruments is not None
+    assert ours._instruments.histograms is not None
+    assert to_sdk == {"ours": 0, "sdk": 4}  # round two's four steps with samples
+    ours.shutdown(5.0)
+    sdk.shutdown(5.0)
+
+
+class _Counting:
+    """An SDK instrument whose ``record`` calls are counted under ``key``."""
+
+    def __init__(self, inner: Any, counts: dict[str, int], key: str) -> None:
+        self.inner, self.counts, self.key = inner, counts, key
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        self.counts[self.key] += 1
+        self.inner.record(*args, **kwargs)
 
 
 def test_own_histograms_cumulative_points_keep_their_start():
