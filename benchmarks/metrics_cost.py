@@ -19,7 +19,10 @@ of 64 (as the pipeline thread hands them over), interleaved, their order alterna
 
 The figure is the consuming thread's CPU time per record (``time.thread_time_ns``), median and
 interquartile range across repeats; each repeat ends with an export (``flush``), outside the
-timing. The exit status is 0 whatever the numbers (a measurement). See benchmarks/README.md.
+timing. A second set, timed the same way in the same repeats, is training steps given
+``samples=`` (``perfsdk.step(samples=32)``): their samples/s also feed the
+``perfsdk.step.throughput`` histogram (``cpu_ns_per_step_record``). The exit status is 0
+whatever the numbers (a measurement). See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from perfsdk.config import Config
     from perfsdk.export.metrics import MetricsSink
     from perfsdk.pipeline import PIPELINE
+    from perfsdk.record import ATTRS
 
     class Dropping(MetricExporter):
         def __init__(self) -> None:
@@ -112,8 +116,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             pass
     PIPELINE.drain(wait=True)
+    records, grab.records = grab.records, []
+    for _ in range(max(64, args.records // 4)):
+        with perfsdk.step(samples=32):
+            pass
+    PIPELINE.drain(wait=True)
     PIPELINE.sinks.remove(grab)
-    records = grab.records
+    steps = [rec for rec in grab.records if rec[ATTRS] and "perfsdk.samples_per_s" in rec[ATTRS]]
     dropping = Dropping()
     sinks = {"own": MetricsSink(Config(exporters=(dropping,)), global_provider=False),
              "sdk": MetricsSink(Config(exporters=(InMemoryMetricReader(),)),
@@ -124,25 +133,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     aggregated = {name: sink._instruments is not None and sink._instruments.histograms
                   is not None for name, sink in sinks.items()}
     cpu: dict[str, list[float]] = {name: [] for name in sinks}
+    step_cpu: dict[str, list[float]] = {name: [] for name in sinks}
     for rep in range(args.repeats):
         for name in (("own", "sdk") if rep % 2 == 0 else ("sdk", "own")):
             sink = sinks[name]
-            gc.collect()
-            t0 = time.thread_time_ns()
-            for i in range(0, len(records), 64):
-                sink.consume(records[i:i + 64])
-            cpu[name].append((time.thread_time_ns() - t0) / len(records))
+            for batch, out in ((records, cpu), (steps, step_cpu)):
+                gc.collect()
+                t0 = time.thread_time_ns()
+                for i in range(0, len(batch), 64):
+                    sink.consume(batch[i:i + 64])
+                out[name].append((time.thread_time_ns() - t0) / len(batch))
             sink.flush(5.0)
     for sink in sinks.values():
         sink.shutdown(5.0)
     variants = {name: {"label": VARIANTS[name], "aggregated_by_perfsdk": aggregated[name],
-                       "cpu_ns_per_record": stats(values)} for name, values in cpu.items()}
+                       "cpu_ns_per_record": stats(values),
+                       "cpu_ns_per_step_record": stats(step_cpu[name])}
+                for name, values in cpu.items()}
     own = variants["own"]["cpu_ns_per_record"]["median"]
     sdk = variants["sdk"]["cpu_ns_per_record"]["median"]
     return {
         "benchmark": "perfsdk metrics cost",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {"quick": args.quick, "repeats": args.repeats, "records": len(records),
+                     "step_records": len(steps),
                      "batch": 64, "order": "variants alternate each repeat"},
         "machine": machine_info(),
         "versions": versions(),
@@ -163,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'variant':<54}{'median':>9}{'[p25-p75]':>18}"
     print(head)
     print("-" * len(head))
-    for v in result["variants"].values():
-        c = v["cpu_ns_per_record"]
-        spread = f"[{c['p25']:,.0f}-{c['p75']:,.0f}]"
-        print(f"{v['label']:<54}{c['median']:>9,.0f}{spread:>18}")
+    for key, what in (("cpu_ns_per_record", "regions"),
+                      ("cpu_ns_per_step_record", f"{s['step_records']:,} steps with samples=")):
+        print(f"{what}:")
+        for v in result["variants"].values():
+            c = v[key]
+            spread = f"[{c['p25']:,.0f}-{c['p75']:,.0f}]"
+            print(f"  {v['label']:<52}{c['median']:>9,.0f}{spread:>18}")
     print(f"\nthe SDK's instruments cost {result['sdk_over_own']:.1f}x perfsdk's aggregation")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -302,9 +302,11 @@ def test_metrics_cost_benchmark_shape(tmp_path: Path):
     assert variants["own"]["aggregated_by_perfsdk"] is True
     assert variants["sdk"]["aggregated_by_perfsdk"] is False
     for v in variants.values():
-        stats = v["cpu_ns_per_record"]
-        assert positive(stats["median"])
-        assert len(stats["samples"]) == result["settings"]["repeats"]
+        for key in ("cpu_ns_per_record", "cpu_ns_per_step_record"):
+            stats = v[key]
+            assert positive(stats["median"])
+            assert len(stats["samples"]) == result["settings"]["repeats"]
+    assert result["settings"]["step_records"] >= 64  # steps given samples=, each one recorded
     assert positive(result["sdk_over_own"])
     assert result["exports"] >= result["settings"]["repeats"]  # a flush per repeat exported
     assert "perfsdk aggregates the histograms" in stdout
