@@ -480,11 +480,9 @@ def _hist_points(data: Any, name: str) -> dict[tuple[tuple[str, Any], ...], dict
     return found
 
 
-@pytest.mark.parametrize("temporality", ["cumulative", "delta"])
-def test_own_histograms_equal_the_sdks(temporality: str):
-    """perfsdk's aggregation (a MetricExporter of perfsdk's) and the SDK's (a MetricReader) give
-    the same points, export after export: values on bucket bounds, two blocks with one name,
-    errors, device times, a stream that appears later and one with no new value."""
+def _own_and_sdk(temporality: str) -> tuple[Any, MetricsSink, Any, MetricsSink]:
+    """(exporter, a sink aggregating in perfsdk around it, reader, a sink through the SDK's
+    instruments to it), both with ``temporality`` for histograms."""
     from opentelemetry.sdk.metrics import Histogram
     from opentelemetry.sdk.metrics.export import AggregationTemporality
 
@@ -494,6 +492,15 @@ def test_own_histograms_equal_the_sdks(temporality: str):
     ours = MetricsSink(Config(exporters=(exporter,)), global_provider=False)
     reader = InMemoryMetricReader(preferred_temporality=chosen)
     sdk = MetricsSink(Config(exporters=(reader,)), global_provider=False)
+    return exporter, ours, reader, sdk
+
+
+@pytest.mark.parametrize("temporality", ["cumulative", "delta"])
+def test_own_histograms_equal_the_sdks(temporality: str):
+    """perfsdk's aggregation (a MetricExporter of perfsdk's) and the SDK's (a MetricReader) give
+    the same points, export after export: values on bucket bounds, two blocks with one name,
+    errors, device times, a stream that appears later and one with no new value."""
+    exporter, ours, reader, sdk = _own_and_sdk(temporality)
 
     def work() -> None:
         _work()
@@ -528,17 +535,9 @@ def test_own_throughput_histogram_equals_the_sdks(temporality: str):
     """Steps' samples/s go into perfsdk's own aggregation too (the SDK's Histogram.record cost
     about 6 us a step on the pipeline thread): the same points as the SDK's, its default
     bounds, export after export, and none reached the SDK's instrument."""
-    from opentelemetry.sdk.metrics import Histogram
-    from opentelemetry.sdk.metrics.export import AggregationTemporality
-
     from perfsdk.auto import Steps
 
-    chosen = {Histogram: AggregationTemporality[temporality.upper()]}
-    exporter = _Recording()
-    exporter._preferred_temporality = chosen
-    ours = MetricsSink(Config(exporters=(exporter,)), global_provider=False)
-    reader = InMemoryMetricReader(preferred_temporality=chosen)
-    sdk = MetricsSink(Config(exporters=(reader,)), global_provider=False)
+    exporter, ours, reader, sdk = _own_and_sdk(temporality)
 
     def work() -> None:
         steps = Steps()
