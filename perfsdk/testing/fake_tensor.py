@@ -222,7 +222,7 @@ class FakeCudaTensor(_Wrapper):
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         finally:  # the call returns to Python: torch's C++ warnings are delivered now
             fake = _fake_backend()
-            if fake is not None and fake._held:
+            if fake is not None:
                 fake.deliver_held()
 
     @classmethod
