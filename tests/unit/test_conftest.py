@@ -84,7 +84,7 @@ def run_pytest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args
                    functools.cache(harness._cuda_available.__wrapped__))
         result = pytester.runpytest_inprocess(
             "-p", "tests.conftest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
-            str(pytester.path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider",
+            str(pytester.path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:benchmark",
             str(test_file), *args)
     stdout = result.stdout.str()
     outcomes = {}
