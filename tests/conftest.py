@@ -139,10 +139,40 @@ def _gpu_state_put_back(request: pytest.FixtureRequest) -> Iterator[None]:
                     "put back for the next test", pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def _cuda_left_alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test not marked ``gpu`` that initializes CUDA fails: perfsdk must never initialize it
+    on its own, and a CPU test that did changed every later test in its worker (on the H200,
+    regions there recorded device events and the compiled fast paths stood aside). Only
+    ``torch.cuda.is_initialized()`` is asked, which does not touch the driver. Tests where torch
+    itself does it are marked ``initializes_cuda``."""
+    if any(request.node.get_closest_marker(m) is not None for m in ("gpu", "initializes_cuda")):
+        yield
+        return
+    import torch
+
+    before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    yield
+    if not before and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        pytest.fail("this test, not marked gpu, initialized CUDA; every later test in this "
+                    "process runs with it initialized", pytrace=False)
+
+
+def _real_gpu_sampler_stopped() -> None:
+    """A GPU sampler reading the real NVML (on a GPU machine, started once an earlier test
+    initialized CUDA) is stopped: it held records and gave spans readings. None starts again
+    while the device is a fake."""
+    from perfsdk.gpu import TELEMETRY
+
+    if TELEMETRY.sampler is not None and TELEMETRY.nvml is None:
+        TELEMETRY.reset()
+
+
 @pytest.fixture
 def fake_cuda() -> Iterator[FakeCuda]:
     """perfsdk's device interface routed to a fake GPU for the test."""
     with use_fake_cuda() as fake:
+        _real_gpu_sampler_stopped()
         yield fake
 
 
@@ -155,6 +185,7 @@ def no_cuda() -> Iterator[FakeCuda]:
     fake.initialized = fake.available = False
     fake.devices = []
     with use_fake_cuda(fake):
+        _real_gpu_sampler_stopped()
         yield fake
 
 

@@ -99,7 +99,8 @@ def reset() -> None:
     """Put perfsdk's process-wide state back as a fresh process has it, for a test's teardown:
     an open step is ended (and every step recorded again), every finished region is handed to
     the sinks, the settings are read from the environment again, the warn-once counts, the
-    summary and the sync sites are cleared.
+    summary and the sync sites are cleared, and the GPU sampler is stopped (the next pipeline
+    round starts one again if the application has initialized CUDA).
 
     Example:
         >>> import perfsdk
@@ -113,10 +114,12 @@ def reset() -> None:
     from perfsdk import errors, lifecycle
     from perfsdk.auto.steps import STEPS
     from perfsdk.config import reset_from_env
+    from perfsdk.gpu import TELEMETRY
     from perfsdk.sync import reset as reset_syncs
 
     STEPS.set_schedule(None)
     PIPELINE.drain(wait=True)
+    TELEMETRY.reset()  # a sampler left running held later records and gave their spans readings
     reset_from_env()
     errors.reset_counts()
     lifecycle.SUMMARY.reset()

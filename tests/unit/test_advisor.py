@@ -851,6 +851,7 @@ def run_printed(blocks: Sequence[Sequence[str]]) -> int:
     return ran
 
 
+@pytest.mark.initializes_cuda
 def test_every_printed_fix_runs_as_printed(monkeypatch):
     """Each line printed under "fix" and "also" is a statement that runs, given perfsdk, torch
     and the user's model, inputs, loader, optimizer and loss_fn, or a comment. optimize() with

@@ -629,6 +629,7 @@ def test_encoder_inside_a_model_and_its_backward():
 
 
 # -- torch.compile -----------------------------------------------------------------------------
+@pytest.mark.initializes_cuda
 def test_instrumented_model_compiles_to_one_graph():
     model, x = _net()
     with instrument_module(model):

@@ -84,8 +84,8 @@ def run_pytest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args
                    functools.cache(harness._cuda_available.__wrapped__))
         result = pytester.runpytest_inprocess(
             "-p", "tests.conftest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
-            str(pytester.path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:benchmark",
-            str(test_file), *args)
+            str(pytester.path), "-rA", "-q", "-n", "0", "-p", "no:cacheprovider",
+            "-p", "no:benchmark", str(test_file), *args)
     stdout = result.stdout.str()
     outcomes = {}
     for line in stdout.splitlines():
@@ -144,3 +144,47 @@ def test_a_gpu_test_that_skips_itself_fails_only_under_require_gpu(pytester, mon
     result = run_pytest(pytester, monkeypatch, "--run-slow", sample=GPU_SKIPS,
                         PERFSDK_REQUIRE_GPU="1")
     assert result.get("test_gpu_slow") == "PASSED", result["_out"]
+
+
+CUDA_TOUCHED = '''
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def cuda_flag_put_back():
+    was = torch.cuda._initialized
+    yield
+    torch.cuda._initialized = was  # after the guard has looked
+
+
+@pytest.fixture
+def fresh_flag(cuda_flag_put_back):
+    torch.cuda._initialized = False
+
+
+def test_initializes(fresh_flag):
+    torch.cuda._initialized = True  # what torch's lazy init leaves behind
+
+
+@pytest.mark.initializes_cuda
+def test_marked(fresh_flag):
+    torch.cuda._initialized = True
+
+
+def test_leaves_it_alone(fresh_flag):
+    pass
+'''
+
+
+def test_a_test_that_initializes_cuda_fails_unless_marked(pytester, monkeypatch):
+    """On a GPU machine, a CPU test that initialized CUDA changed every later test in its
+    worker (the real GPU sampler started, the compiled fast paths stood aside)."""
+    before = torch.cuda.is_initialized()
+    result = run_pytest(pytester, monkeypatch, sample=CUDA_TOUCHED)
+    out = result["_out"]
+    assert result.get("test_initializes") == "ERROR", out
+    assert "this test, not marked gpu, initialized CUDA" in out, out
+    assert result.get("test_marked") == "PASSED", out
+    assert result.get("test_leaves_it_alone") == "PASSED", out
+    assert torch.cuda.is_initialized() == before

@@ -32,6 +32,10 @@ try:
 except ImportError:
     _fastpath = None  # type: ignore[assignment]
 
+# The compiled paths stand aside while CUDA is initialized (regions then record device events,
+# in Python): these tests are of the CPU paths, whatever an earlier test in the worker did.
+pytestmark = pytest.mark.usefixtures("no_cuda")
+
 needs_nvtx_call = pytest.mark.skipif(
     _fastpath is None or not _fastpath.HAVE_NVTX, reason="perfsdk._fastpath not built with NVTX")
 
@@ -544,6 +548,7 @@ def test_compiled_step_regions_record_what_the_python_twin_records(
 
 
 @needs_region
+@pytest.mark.initializes_cuda
 def test_compiled_step_region_hands_what_is_off_its_fast_path_to_python(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A user's span as the parent, the torch profiler, an error at exit: the Python code, the

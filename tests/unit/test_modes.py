@@ -4,6 +4,7 @@ the service name OpenTelemetry's own variables choose."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,8 @@ def test_exporter_instance_receives_region_spans(tmp_path):
         print("diag", perfsdk.diagnostics()["span_mode"])
     """)
     env = {"PATH": "/usr/bin:/bin", "PERFSDK_OUTPUT_DIR": str(tmp_path)}
+    if "PYTHONPATH" in os.environ:  # packages put on the path rather than installed
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=env, check=False)
     assert proc.returncode == 0, proc.stderr

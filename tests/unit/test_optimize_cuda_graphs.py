@@ -278,6 +278,7 @@ def test_a_capture_that_fails_puts_the_stream_and_the_rng_back(fake_cuda):
 
 # dynamo meets the fake device's tensor subclass (torch's own warning; the compile fails anyway)
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
+@pytest.mark.initializes_cuda
 def test_fallbacks_sees_a_failed_compile_under_the_graphs(fake_cuda):
     def no_compiler(gm, example_inputs):
         raise RuntimeError("no compiler")

@@ -89,6 +89,7 @@ def rows(report: search.OptimizationReport) -> dict[str, search.StepResult]:
     return {s.name: s for s in report.steps}
 
 
+@pytest.mark.initializes_cuda
 def test_explicit_flags_apply_exactly_what_is_asked() -> None:
     model = TinyCNN()
     keys = list(model.state_dict())

@@ -279,6 +279,7 @@ def test_amp_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     assert "forward" not in model.__dict__
 
 
+@pytest.mark.initializes_cuda
 def test_amp_survives_deepcopy_pickle_and_compile() -> None:
     model, x = _simplenet()
     apply_amp(model)

@@ -159,6 +159,7 @@ def test_installing_twice_is_refused_and_removal_is_idempotent() -> None:
         pass
 
 
+@pytest.mark.initializes_cuda
 def test_a_compiled_model_is_one_graph_under_the_patches() -> None:
     graphs = []
 

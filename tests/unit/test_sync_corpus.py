@@ -446,7 +446,9 @@ FAKE_SYNCS = [
 ]
 
 
-@pytest.mark.parametrize("case", FAKE_SYNCS, ids=ids(FAKE_SYNCS))
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.initializes_cuda) if c.run is _fake_pageable_upload else c
+    for c in FAKE_SYNCS], ids=ids(FAKE_SYNCS))  # a real copy to "cuda" initializes it
 def test_fake_device_sync_is_counted_once_at_its_line(case: Case) -> None:
     with no_sync_guard("count") as guard:
         if case.then is None:
