@@ -89,7 +89,7 @@ def run_pytest(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args
     stdout = result.stdout.str()
     outcomes = {}
     for line in stdout.splitlines():
-        m = re.match(r"^(PASSED|FAILED|ERROR) test_sample\.py::(test_\w+)", line)
+        m = re.match(r"^(PASSED|FAILED|ERROR) test_sample\.py::(?:\w+::)?(test_\w+)", line)
         if m:
             outcomes[m.group(2)] = m.group(1)
         m = re.match(r"^SKIPPED \[\d+\] \S+:\d+: (.*)$", line)
@@ -151,29 +151,31 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def cuda_flag_put_back():
-    was = torch.cuda._initialized
-    yield
-    torch.cuda._initialized = was  # after the guard has looked
-
-
-@pytest.fixture
-def fresh_flag(cuda_flag_put_back):
+@pytest.fixture(scope="class")
+def uninitialized():  # set up before, and put back after, the function-scoped guard
+    was = torch.cuda._initialized  # True where an earlier test initialized a real GPU
     torch.cuda._initialized = False
+    yield
+    torch.cuda._initialized = was
 
 
-def test_initializes(fresh_flag):
-    torch.cuda._initialized = True  # what torch's lazy init leaves behind
+@pytest.mark.usefixtures("uninitialized")
+class TestInitializes:
+    def test_initializes(self):
+        torch.cuda._initialized = True  # what torch's lazy init leaves behind
 
 
-@pytest.mark.initializes_cuda
-def test_marked(fresh_flag):
-    torch.cuda._initialized = True
+@pytest.mark.usefixtures("uninitialized")
+class TestMarked:
+    @pytest.mark.initializes_cuda
+    def test_marked(self):
+        torch.cuda._initialized = True
 
 
-def test_leaves_it_alone(fresh_flag):
-    pass
+@pytest.mark.usefixtures("uninitialized")
+class TestAlone:
+    def test_leaves_it_alone(self):
+        pass
 '''
 
 
