@@ -11,6 +11,8 @@
  *   header-only, so this module is its own NVTX client: nvtxDomainCreateA with the domain's name
  *   gives the tool the same domain the nvtx package's ranges land on (tools key domains by
  *   name), and the category id is the one the nvtx package registered in that domain.
+ * - host_times(records, ...): the in-process summary's pass over a chunk of region records
+ *   (perfsdk/export/summary.py: _host_times_python).
  * - maxrss(): the process's peak resident set size in bytes (getrusage's ru_maxrss), without
  *   building a struct_rusage object; RssPeak(reuse_ns), memory=True's readings on the host
  *   (perfsdk/memory.py: _RssPeakPython). On Linux it asks for RUSAGE_THREAD: the kernel reports the
@@ -3546,6 +3548,108 @@ fastpath_bind_backward(PyObject *module, PyObject *globals)
     Py_RETURN_NONE;
 }
 
+/* host_times(records, SPEC, T0, T1, DEVICE_MS, ERROR, ATTRS, keys) -> (times, more): the
+ * summary's pass over a chunk of region records (perfsdk/export/summary.py: _host_times_python,
+ * its twin). times: {spec index: [host ms, ...]} in the records' order, each (T1 - T0) / 1e6 as
+ * Python computes it (an exact int difference, then one correctly rounded division); more: the
+ * records with a device time, an error, or attributes holding one of keys (a tuple of str), in
+ * order. Records must be tuples long enough. */
+static PyObject *
+fastpath_host_times(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t at[6], need = 0;
+    if (nargs != 8 || !PyList_CheckExact(args[0]) || !PyTuple_CheckExact(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "host_times(records: list, SPEC, T0, T1, DEVICE_MS, "
+                        "ERROR, ATTRS, keys: tuple)");
+        return NULL;
+    }
+    for (int i = 0; i < 6; i++) {
+        at[i] = PyLong_AsSsize_t(args[i + 1]);
+        if (at[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (at[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "host_times: field indexes must be >= 0");
+            return NULL;
+        }
+        if (at[i] >= need) {
+            need = at[i] + 1;
+        }
+    }
+    PyObject *records = args[0], *keys = args[7];
+    PyObject *times = PyDict_New();
+    PyObject *more = PyList_New(0);
+    PyObject *last_spec = NULL, *last_list = NULL; /* borrowed: consecutive records of a spec */
+    if (times == NULL || more == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) < need) {
+            PyErr_Format(PyExc_TypeError, "host_times: record %zd is not a region record", i);
+            goto fail;
+        }
+        PyObject *spec = PyTuple_GET_ITEM(rec, at[0]);
+        long long t0 = PyLong_AsLongLong(PyTuple_GET_ITEM(rec, at[1]));
+        long long t1 = PyLong_AsLongLong(PyTuple_GET_ITEM(rec, at[2]));
+        if ((t0 == -1 || t1 == -1) && PyErr_Occurred()) {
+            goto fail;
+        }
+        PyObject *list = last_list;
+        if (spec != last_spec) {
+            list = PyDict_GetItemWithError(times, spec);
+            if (list == NULL) {
+                if (PyErr_Occurred() || (list = PyList_New(0)) == NULL) {
+                    goto fail;
+                }
+                int set = PyDict_SetItem(times, spec, list);
+                Py_DECREF(list); /* the dict holds it */
+                if (set < 0) {
+                    goto fail;
+                }
+            }
+            last_spec = spec;
+            last_list = list;
+        }
+        PyObject *ms = PyFloat_FromDouble((double)(t1 - t0) / 1e6);
+        if (ms == NULL) {
+            goto fail;
+        }
+        int appended = PyList_Append(list, ms);
+        Py_DECREF(ms);
+        if (appended < 0) {
+            goto fail;
+        }
+        int wanted = PyTuple_GET_ITEM(rec, at[3]) != Py_None
+                     || PyTuple_GET_ITEM(rec, at[4]) != Py_None;
+        PyObject *attrs = PyTuple_GET_ITEM(rec, at[5]);
+        if (!wanted && attrs != Py_None) {
+            if (!PyDict_Check(attrs)) {
+                PyErr_Format(PyExc_TypeError, "host_times: record %zd's attributes are not a "
+                             "dict", i);
+                goto fail;
+            }
+            for (Py_ssize_t k = 0; !wanted && k < PyTuple_GET_SIZE(keys); k++) {
+                wanted = PyDict_Contains(attrs, PyTuple_GET_ITEM(keys, k));
+                if (wanted < 0) {
+                    goto fail;
+                }
+            }
+        }
+        if (wanted && PyList_Append(more, rec) < 0) {
+            goto fail;
+        }
+    }
+    PyObject *out = PyTuple_Pack(2, times, more);
+    Py_DECREF(times);
+    Py_DECREF(more);
+    return out;
+fail:
+    Py_XDECREF(times);
+    Py_XDECREF(more);
+    return NULL;
+}
+
 static PyObject *
 fastpath_maxrss(PyObject *module, PyObject *unused)
 {
@@ -3726,6 +3830,9 @@ static PyTypeObject RssPeakType = {
 };
 
 static PyMethodDef fastpath_methods[] = {
+    {"host_times", (PyCFunction)(void (*)(void))fastpath_host_times, METH_FASTCALL,
+     "host_times(records, SPEC, T0, T1, DEVICE_MS, ERROR, ATTRS, keys) -> ({spec: [host ms]}, "
+     "[records with more]): the summary's pass over a chunk of records."},
     {"maxrss", fastpath_maxrss, METH_NOARGS,
      "maxrss() -> int: the process's peak resident set size in bytes (ru_maxrss)."},
     {"region_exit", (PyCFunction)(void (*)(void))fastpath_region_exit, METH_FASTCALL,

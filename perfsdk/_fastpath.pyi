@@ -6,6 +6,12 @@ from typing import Any, Final
 HAVE_NVTX: Final[int]
 """1 when the module was built with the NVTX headers (``NvtxCall`` exists), else 0."""
 
+def host_times(records: list[Any], spec: int, t0: int, t1: int, device_ms: int, error: int,
+               attrs: int, keys: tuple[str, ...]) -> tuple[dict[int, list[float]], list[Any]]:
+    """The summary's pass over a chunk of records: ``({spec index: [host ms]}, [records with a
+    device time, an error or one of ``keys`` among their attributes])``
+    (``perfsdk.export.summary._host_times_python``)."""
+
 def maxrss() -> int:
     """The process's peak resident set size in bytes (``getrusage``'s ``ru_maxrss``)."""
 

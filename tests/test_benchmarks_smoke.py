@@ -312,6 +312,28 @@ def test_metrics_cost_benchmark_shape(tmp_path: Path):
     assert "perfsdk aggregates the histograms" in stdout
 
 
+# -- benchmarks/summary_cost.py -------------------------------------------------------------------
+SC_SCRIPT = REPO_ROOT / "benchmarks" / "summary_cost.py"
+
+
+def test_summary_cost_benchmark_shape(tmp_path: Path):
+    result, stdout = run_quick(SC_SCRIPT, tmp_path / "summary_cost.json")
+    assert result["settings"]["quick"] is True
+    assert result["settings"]["records"] == 4 * 200  # a step and three phases each
+    assert set(result["results"]) == {"filling", "full"}
+    for by_name in result["results"].values():
+        assert {"python", "one_add_each"} <= set(by_name) <= {"compiled", "python",
+                                                            "one_add_each"}
+        for v in by_name.values():
+            stats = v["cpu_ns_per_record"]
+            assert positive(stats["median"])
+            assert len(stats["samples"]) == result["settings"]["repeats"]
+    # the sinks fed before hold 20 x RESERVOIR records a name, each counted
+    assert all(n >= 4 * 20 * result["settings"]["reservoir"]
+               for n in result["records_in_full_sinks"].values())
+    assert "one _Series.add call a record" in stdout
+
+
 # -- benchmarks/step_overhead.py ------------------------------------------------------------------
 STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
 STEP_CONFIGS = {"summary", "otlp_drop", "otlp_encode", "run"}

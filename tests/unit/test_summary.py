@@ -267,3 +267,96 @@ def test_the_reservoir_stays_a_uniform_sample_far_past_its_size():
     expected = RESERVOIR / 10
     # the series' generator is seeded: the same samples every run
     assert all(abs(t - expected) < 0.1 * expected for t in tenths), tenths
+
+
+# -- the pipeline thread's pass (issue 16) ------------------------------------------------------
+def _state(series: Any) -> tuple[Any, ...]:
+    return (series.count, series.total, list(series.samples), series.next, series.w,
+            series.rng.getstate())
+
+
+@pytest.mark.parametrize("start", [0, summary_mod.RESERVOIR - 70, summary_mod.RESERVOIR,
+                                   3 * summary_mod.RESERVOIR])
+def test_add_many_is_add_after_add(start: int) -> None:
+    """Batches of every size, across the reservoir's filling and past it (where values enter
+    at drawn counts): the same samples, count, sum and generator state as one add each."""
+    rng = random.Random(start)
+    one, many = summary_mod._Series(), summary_mod._Series()
+    for i in range(start):
+        one.add(i / 7)
+    many.add_many([i / 7 for i in range(start)])
+    assert _state(many) == _state(one)
+    entered = 0
+    for size in [0, 1, 2, 63, 64, 65, 500, 3, 4_000, *(rng.randrange(200) for _ in range(60))]:
+        values = [rng.uniform(0, 10) for _ in range(size)]
+        before = list(one.samples)
+        for v in values:
+            one.add(v)
+        many.add_many(values)
+        entered += sum(a != b for a, b in zip(before, one.samples, strict=False))
+        assert _state(many) == _state(one), size
+    assert entered > 0  # the batches crossed values that entered the full reservoir
+
+
+def _records_of_every_shape() -> list[tuple[Any, ...]]:
+    from perfsdk.testing import capture, use_fake_cuda
+
+    with capture() as cap:
+        for _ in range(3):
+            with timed_region("a"):
+                pass
+            with timed_region("b") as b:
+                b.set_attribute("k", 1)
+        with pytest.raises(KeyError), timed_region("a"):
+            raise KeyError("x")
+        with timed_region("synced") as synced:
+            synced.set_attribute("perfsdk.syncs", 2)  # what no_sync_guard sets
+        with use_fake_cuda() as fake:
+            with timed_region("gpu"):
+                fake.launch(1.5)
+            fake.advance(1.5)
+        PIPELINE.drain(wait=True)
+    return list(cap.records)
+
+
+def test_compiled_host_times_is_the_python_pass() -> None:
+    from perfsdk.record import ATTRS, DEVICE_MS, ERROR, SPEC, T0, T1
+
+    compiled = pytest.importorskip("perfsdk._fastpath").host_times
+    records = _records_of_every_shape()
+    for keys in (("k",), ("x", "y"), ()):
+        fields = (SPEC, T0, T1, DEVICE_MS, ERROR, ATTRS, keys)
+        got = compiled(records, *fields)
+        want = summary_mod._host_times_python(records, *fields)
+        assert got == want
+        assert list(got[0].items()) == list(want[0].items())  # in the same order too
+        host, more = got
+        assert sorted(len(v) for v in host.values()) == [1, 1, 1, 3, 3]  # 2 sites named "a"
+        # b's three when "k" is asked for, a's error and the device time always
+        assert len(more) == (5 if "k" in keys else 2)
+    # a big int time, a non-tuple record and attributes that are not a dict are refused
+    with pytest.raises(OverflowError):
+        compiled([(*records[0][:T1], 2**70, *records[0][T1 + 1:])], *fields)
+    with pytest.raises(TypeError):
+        compiled([list(records[0])], *fields)
+    with pytest.raises(TypeError):
+        compiled([(*records[0][:ATTRS], ["k"], *records[0][ATTRS + 1:])], *fields)
+    assert compiled([], *fields) == ({}, [])
+
+
+def test_the_summary_is_the_same_through_either_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _records_of_every_shape()
+    sinks = []
+    for fn in (summary_mod._host_times_python, summary_mod.host_times):
+        monkeypatch.setattr(summary_mod, "host_times", fn)
+        sink = summary_mod.SummarySink()
+        sink.consume(records[:4])
+        sink.consume(records[4:])
+        sinks.append({name: (acc.host.count, acc.host.samples, acc.device.samples, acc.errors,
+                             acc.syncs) for name, acc in sink._acc.items()})
+    assert sinks[0] == sinks[1]
+    assert sinks[0]["a"][0] == 4  # both call sites named "a"
+    assert sinks[0]["a"][3] == 1
+    assert sinks[0]["gpu"][2] == [1.5]
+    assert sinks[0]["synced"][4] == 2
+    assert sinks[0]["b"][4] == 0
