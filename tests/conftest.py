@@ -141,21 +141,38 @@ def _gpu_state_put_back(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _cuda_left_alone(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test not marked ``gpu`` that initializes CUDA fails: perfsdk must never initialize it
-    on its own, and a CPU test that did changed every later test in its worker (on the H200,
-    regions there recorded device events and the compiled fast paths stood aside). Only
-    ``torch.cuda.is_initialized()`` is asked, which does not touch the driver. Tests where torch
-    itself does it are marked ``initializes_cuda``."""
-    if any(request.node.get_closest_marker(m) is not None for m in ("gpu", "initializes_cuda")):
+    """On a GPU machine, tests not marked ``gpu`` see a machine without one, as on CPU CI:
+
+    * a test that initializes CUDA fails, unless it is marked ``initializes_cuda`` (torch
+      itself does it there: torch.compile, torch.profiler, a copy to "cuda"). perfsdk must
+      never initialize CUDA on its own;
+    * once such a test has initialized it in the worker, each later test runs on a fake
+      device without a GPU (``no_cuda``): otherwise its regions recorded device events, the GPU
+      sampler started, and the compiled fast paths stood aside.
+
+    Only ``torch.cuda.is_initialized()`` is asked, which does not touch the driver."""
+    if request.node.get_closest_marker("gpu") is not None:
         yield
         return
     import torch
 
-    before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        with use_fake_cuda(_without_a_gpu()):
+            _real_gpu_sampler_stopped()
+            yield
+        return
     yield
-    if not before and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if (torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            and request.node.get_closest_marker("initializes_cuda") is None):
         pytest.fail("this test, not marked gpu, initialized CUDA; every later test in this "
                     "process runs with it initialized", pytrace=False)
+
+
+def _without_a_gpu() -> FakeCuda:
+    fake = FakeCuda()
+    fake.initialized = fake.available = False
+    fake.devices = []
+    return fake
 
 
 def _real_gpu_sampler_stopped() -> None:
@@ -181,10 +198,7 @@ def no_cuda() -> Iterator[FakeCuda]:
     """perfsdk's device interface routed to a machine without a GPU, on any machine: a test of
     CPU behaviour must not depend on whether an earlier test initialized CUDA (on a GPU
     machine one did, and regions recorded device events)."""
-    fake = FakeCuda()
-    fake.initialized = fake.available = False
-    fake.devices = []
-    with use_fake_cuda(fake):
+    with use_fake_cuda(_without_a_gpu()) as fake:
         _real_gpu_sampler_stopped()
         yield fake
 

@@ -92,11 +92,12 @@ class _Series:
             self._skip()
 
     def add_many(self, values: list[float]) -> None:
-        """:meth:`add` each of ``values`` in turn, with the same result (the same samples,
-        count, sum and draws): the values before the reservoir is full go in as one slice,
-        and past that only the values that enter it cost a step each (the skips between them
-        are counted, not walked)."""
-        total = sum(values, self.total)  # the same left-to-right sum as one add after another
+        """:meth:`add` each of ``values`` in turn, with the same samples, count and draws:
+        the values before the reservoir is full go in as one slice, and past that only the
+        values that enter it cost a step each (the skips between them are counted, not
+        walked). The total is ``sum()``'s, which Python 3.12 and later compensate: it can
+        differ from adding one at a time in the last digits, towards the exact sum."""
+        total = sum(values, self.total)
         count, n, i = self.count, len(values), 0
         if count < RESERVOIR:
             i = min(n, RESERVOIR - count)

@@ -50,6 +50,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.initializes_cuda
 def test_inductor_in_place_keeps_state_dict_keys_and_outputs():
     torch.manual_seed(0)
     model = Tiny().eval()
