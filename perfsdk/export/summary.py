@@ -66,28 +66,32 @@ class _Series:
     Past the reservoir's size, Li's "Algorithm L" (ACM TOMS 20(4), 1994) draws how many values
     to skip before the next one replaces a random slot, so the common ``add`` is two additions
     and a comparison, with no random number (drawing one per value, as Algorithm R does, cost
-    more than the rest of a record's summary on the pipeline thread)."""
+    more than the rest of a record's summary on the pipeline thread). The draws count the
+    values offered (``seen``), not the calls counted without one (:meth:`add_unsampled`)."""
 
-    __slots__ = ("count", "next", "rng", "samples", "total", "w")
+    __slots__ = ("count", "next", "rng", "samples", "seen", "total", "w")
 
     def __init__(self) -> None:
         self.count = 0
         self.total = 0.0
+        self.seen = 0
+        """Values offered to the reservoir (``count`` less the calls counted without one)."""
         self.samples: list[float] = []
         self.rng = random.Random(0)
         self.w = 1.0
         self.next = 0
-        """The count at which the next value enters the full reservoir."""
+        """The value (by ``seen``) that next enters the full reservoir."""
 
     def add(self, value: float) -> None:
-        self.count = count = self.count + 1
+        self.count += 1
         self.total += value
-        if count <= RESERVOIR:
+        self.seen = seen = self.seen + 1
+        if seen <= RESERVOIR:
             self.samples.append(value)
-            if count == RESERVOIR:
+            if seen == RESERVOIR:
                 self.w = 1.0
                 self._skip()
-        elif count == self.next:
+        elif seen == self.next:
             self.samples[int(self.rng.random() * RESERVOIR)] = value
             self._skip()
 
@@ -97,37 +101,39 @@ class _Series:
         values that enter it cost a step each (the skips between them are counted, not
         walked). The total is ``sum()``'s, which Python 3.12 and later compensate: it can
         differ from adding one at a time in the last digits, towards the exact sum."""
-        total = sum(values, self.total)
-        count, n, i = self.count, len(values), 0
-        if count < RESERVOIR:
-            i = min(n, RESERVOIR - count)
+        n = len(values)
+        self.count += n
+        self.total = sum(values, self.total)
+        seen, i = self.seen, 0
+        if seen < RESERVOIR:
+            i = min(n, RESERVOIR - seen)
             self.samples += values[:i] if i < n else values
-            count += i
-            if count == RESERVOIR:
-                self.count = count
+            seen += i
+            if seen == RESERVOIR:
+                self.seen = seen
                 self.w = 1.0
                 self._skip()
         while i < n:
-            j = i + self.next - count - 1  # the value that makes the count self.next
+            j = i + self.next - seen - 1  # the value that makes seen self.next (next > seen)
             if j >= n:
-                count += n - i
+                seen += n - i
                 break
             self.samples[int(self.rng.random() * RESERVOIR)] = values[j]
-            self.count = count = self.next
+            self.seen = seen = self.next
             self._skip()
             i = j + 1
-        self.count = count
-        self.total = total
+        self.seen = seen
 
     def _skip(self) -> None:
-        """Draw the next count whose value enters the reservoir."""
+        """Draw the next value (by ``seen``) that enters the reservoir."""
         rng = self.rng
         self.w *= math.exp(math.log(1.0 - rng.random()) / RESERVOIR)
         w = min(self.w, 1.0 - 1e-16)
-        self.next = self.count + int(math.log(1.0 - rng.random()) / math.log1p(-w)) + 1
+        self.next = self.seen + int(math.log(1.0 - rng.random()) / math.log1p(-w)) + 1
 
     def add_unsampled(self, count: int, total: float) -> None:
-        """Calls that count in ``count`` and ``total`` but left no sample for percentiles."""
+        """Calls that count in ``count`` and ``total`` but left no sample for percentiles (the
+        reservoir's draws go on as if they had not been: they were never offered)."""
         self.count += count
         self.total += total
 

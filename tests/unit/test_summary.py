@@ -302,6 +302,29 @@ def test_add_many_is_add_after_add(start: int) -> None:
     assert entered > 0  # the batches crossed values that entered the full reservoir
 
 
+@pytest.mark.parametrize("start", [0, 5, summary_mod.RESERVOIR - 3, 2 * summary_mod.RESERVOIR])
+def test_calls_counted_without_a_sample_leave_the_reservoir_working(start: int) -> None:
+    """Regions the pipeline could not queue are tallied (count and total, no sample): values
+    added after them still fill the reservoir and enter it at drawn counts, in batches as one
+    at a time (a tally of 459,520 such calls made a batch's draw land before its first value:
+    IndexError in benchmarks/overhead.py)."""
+    one, many = summary_mod._Series(), summary_mod._Series()
+    for series in (one, many):
+        for i in range(start):
+            series.add(float(i))
+        series.add_unsampled(459_520, 1.0)  # what SummarySink.tally hands over
+    values = [float(i) for i in range(3 * summary_mod.RESERVOIR)]
+    for v in values:
+        one.add(v)
+    for k in range(0, len(values), 64):
+        many.add_many(values[k:k + 64])
+    assert _same(many, one)
+    assert many.count == start + 459_520 + len(values)
+    assert len(many.samples) == summary_mod.RESERVOIR  # filled, though count passed its size
+    late = set(values[2 * summary_mod.RESERVOIR:])
+    assert sum(1 for v in many.samples if v in late) > summary_mod.RESERVOIR // 10  # still drawn
+
+
 def _records_of_every_shape() -> list[tuple[Any, ...]]:
     from perfsdk.testing import capture, use_fake_cuda
 
