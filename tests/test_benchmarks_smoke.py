@@ -376,9 +376,29 @@ def test_step_overhead_benchmark_shape(step_overhead_run):
     for t in targets.values():
         assert isinstance(t["passed"], bool), t
         assert isinstance(t["by_hand"], float), t
+        low, high = t["interval95"]
+        assert low <= t["value"] <= high, t  # the median lies in its own bootstrap interval
+        assert t["verdict"] in {"met", "missed", "unsettled"}, t
         assert f"{'PASS' if t['passed'] else 'FAIL'}  {t['definition']}" in stdout
     assert "target (issue 16)" in stdout
     assert "in place: median us of each thing a region transition does" in stdout
+
+
+def test_step_overhead_intervals_and_verdicts():
+    """The bootstrap interval of the median over blocks, and what it says of the target: met,
+    missed, or within the noise."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import step_overhead as so
+
+    low, high = so.median_interval([1.0] * 9)
+    assert low == high == 1.0
+    spread = [1.0 + k / 1000 for k in range(-10, 11)]  # -1% .. +1% around +0%
+    low, high = so.median_interval(spread)
+    assert 0.99 < low < 1.0 < high < 1.01
+    assert so.median_interval(spread) == (low, high)  # seeded
+    assert so.verdict(-0.004, 0.009, 0.01) == "met"
+    assert so.verdict(0.011, 0.03, 0.01) == "missed"
+    assert so.verdict(0.002, 0.015, 0.01) == "unsettled"
 
 
 def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
