@@ -401,6 +401,25 @@ def test_step_overhead_intervals_and_verdicts():
     assert so.verdict(0.002, 0.015, 0.01) == "unsettled"
 
 
+def test_step_overhead_calibration_corrects_from_the_step_it_got():
+    """A step is not proportional to its layers: the count is corrected from each step time
+    until one lands within 10% of the target; readings stay bounded (at most 5)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import step_overhead as so
+
+    def step_ms(layers: int) -> float:  # a fixed 1.2 ms of loss and optimizer, 0.04 a layer
+        return 1.2 + 0.04 * layers
+
+    tried = so.fit_layers(4.0, step_ms)
+    assert tried[0] == (24, step_ms(24))
+    assert abs(tried[-1][1] - 4.0) <= 0.4  # one scaling from 24 layers would give 3.0 ms
+    assert abs(step_ms(round(24 * 4.0 / step_ms(24))) - 4.0) > 0.4
+    assert so.fit_layers(2.16, step_ms) == [(24, step_ms(24))]  # on target at once
+    readings = []
+    so.fit_layers(4.0, lambda n: readings.append(n) or 1.0)  # a machine that never moves
+    assert len(readings) == 5
+
+
 def test_step_overhead_benchmark_does_the_work_it_claims(step_overhead_run):
     """Deterministic, not a timing: both models trained alike (equal weights at the end), and
     the instrumented steps produced their spans (4 per step: a step and three phases or
