@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from overhead import clean_environment, fill_counts, machine_info, percentile, versions
+from metrics_cost import stats
+from overhead import clean_environment, fill_counts, machine_info, versions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "summary_cost.json"
@@ -61,12 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     fill_counts(p, args, (("repeats", 9, 2), ("steps", 4_000, 200)))
     return args
-
-
-def stats(values: list[float]) -> dict[str, Any]:
-    p25, p75 = percentile(values, 25), percentile(values, 75)
-    return {"median": percentile(values, 50), "p25": p25, "p75": p75, "iqr": p75 - p25,
-            "samples": [round(v, 1) for v in values]}
 
 
 def sink_classes() -> dict[str, Any]:
@@ -101,17 +96,8 @@ def sink_classes() -> dict[str, Any]:
                     if acc is None:
                         acc = self._acc_of(rec[SPEC])
                     acc.host.add((rec[T1] - rec[T0]) / 1e6)
-                    device_ms = rec[DEVICE_MS]
-                    if device_ms is not None:
-                        acc.device.add(device_ms)
-                    if rec[ERROR] is not None:
-                        acc.errors += 1
-                    attrs = rec[ATTRS]
-                    if attrs:
-                        if "perfsdk.syncs" in attrs:
-                            acc.syncs += int(attrs["perfsdk.syncs"])
-                        if "perfsdk.flops_per_s" in attrs:
-                            acc.add_flops(attrs, (rec[T1] - rec[T0]) / 1e9)
+                    if rec[DEVICE_MS] is not None or rec[ERROR] is not None or rec[ATTRS]:
+                        self._add_more(acc, rec)  # what it did inline
 
     return {"compiled": None if compiled is None else with_pass(compiled),
             "python": with_pass(summary._host_times_python), "one_add_each": OneAddEach}
@@ -121,37 +107,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(REPO_ROOT))  # this checkout's perfsdk
     import perfsdk
     from perfsdk.export.summary import RESERVOIR
-    from perfsdk.pipeline import PIPELINE
+    from perfsdk.testing import capture
 
-    class Grab:
-        def __init__(self) -> None:
-            self.records: list[Any] = []
-
-        def consume(self, records: list[Any]) -> None:
-            self.records.extend(records)
-
-        def flush(self, timeout: float) -> None:
-            pass
-
-        def shutdown(self, timeout: float) -> None:
-            pass
-
-    grab = Grab()
-    PIPELINE.sinks.append(grab)
     forward, backward, optimizer = (perfsdk.phase(n) for n in ("forward", "backward",
                                                                 "optimizer"))
-    for _ in range(args.steps):
-        with perfsdk.step(samples=8):
-            with forward:
-                pass
-            with backward:
-                pass
-            with optimizer:
-                pass
-    perfsdk.auto.end_step()
-    PIPELINE.drain(wait=True)
-    PIPELINE.sinks.remove(grab)
-    records = grab.records
+    with capture() as captured:
+        for _ in range(args.steps):
+            with perfsdk.step(samples=8):
+                with forward:
+                    pass
+                with backward:
+                    pass
+                with optimizer:
+                    pass
+        perfsdk.auto.end_step()
+    records = list(captured.records)
     classes = {name: cls for name, cls in sink_classes().items() if cls is not None}
     feed = records * max(1, -(-20 * RESERVOIR * 4 // len(records)))  # 20 x RESERVOIR a name
 

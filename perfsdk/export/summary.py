@@ -332,18 +332,22 @@ class SummarySink:
                     acc = self._acc_of(index)
                 acc.host.add_many(times)
             for rec in more:
-                acc = by_spec[rec[SPEC]]
-                device_ms = rec[DEVICE_MS]
-                if device_ms is not None:
-                    acc.device.add(device_ms)
-                if rec[ERROR] is not None:
-                    acc.errors += 1
-                attrs = rec[ATTRS]
-                if attrs:
-                    if "perfsdk.syncs" in attrs:
-                        acc.syncs += int(attrs["perfsdk.syncs"])
-                    if "perfsdk.flops_per_s" in attrs:
-                        acc.add_flops(attrs, (rec[T1] - rec[T0]) / 1e9)
+                self._add_more(by_spec[rec[SPEC]], rec)
+
+    @staticmethod
+    def _add_more(acc: _Acc, rec: Any) -> None:
+        """A record's device time, error, syncs and FLOP rate (beyond its host time)."""
+        device_ms = rec[DEVICE_MS]
+        if device_ms is not None:
+            acc.device.add(device_ms)
+        if rec[ERROR] is not None:
+            acc.errors += 1
+        attrs = rec[ATTRS]
+        if attrs:
+            if "perfsdk.syncs" in attrs:
+                acc.syncs += int(attrs["perfsdk.syncs"])
+            if "perfsdk.flops_per_s" in attrs:
+                acc.add_flops(attrs, (rec[T1] - rec[T0]) / 1e9)
 
     def tally(self, overflow: dict[int, list[int]]) -> None:
         """Regions the pipeline could not queue (``{spec index: [calls, host ns, errors]}``):
