@@ -12,6 +12,9 @@
   benchmark's run, a torchrun job, the demo) runs once, and a file's tests keep their order.
   A pytest that a test starts itself passes ``-n 0``.
 * A ``gpu`` test that leaves torch's CUDA sync debug mode changed fails (and it is put back).
+* On a GPU machine, a test not marked ``gpu`` that initializes CUDA fails unless it is marked
+  ``initializes_cuda`` (torch does it there: torch.compile, torch.profiler, a copy to "cuda");
+  after one has, later tests not marked ``gpu`` run on a fake device without a GPU.
 * Fixtures: ``fake_cuda`` (perfsdk's fake CUDA backend), ``no_cuda`` (the same, as a machine
   without a GPU), ``captured`` (in-memory capture of
   resolved regions and spans) and the autouse ``fresh_config`` that restores perfsdk's settings
