@@ -273,7 +273,7 @@ def test_the_reservoir_stays_a_uniform_sample_far_past_its_size():
 def _same(many: Any, one: Any) -> bool:
     """The same series; the totals to 1e-12 (sum() compensates its rounding on Python 3.12+,
     one add at a time does not)."""
-    fields = ("count", "samples", "next", "w")
+    fields = ("count", "seen", "samples", "next", "w")
     return ([getattr(many, f) for f in fields] == [getattr(one, f) for f in fields]
             and many.rng.getstate() == one.rng.getstate()
             and many.total == pytest.approx(one.total, rel=1e-12))
