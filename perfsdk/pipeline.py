@@ -213,7 +213,8 @@ class Pipeline:
             self.overflowed += 1
         warn_once("pipeline-full", f"perfsdk: more than {self.max_pending:,} regions are "
                   "waiting for perfsdk's background thread; further regions count in the "
-                  "summary (calls, total, errors) but their spans are dropped and counted "
+                  "summary (calls, total, errors) and the metric perfsdk.region.unrecorded, "
+                  "but their spans are dropped and counted "
                   "(perfsdk.diagnostics()['spans_lost']['queue_full']).")
 
     def poke(self) -> None:

@@ -3,7 +3,9 @@
 Recorded on the pipeline thread from resolved records, never on the training thread (meter
 ``perfsdk``): ``perfsdk.region.duration`` and ``perfsdk.region.device_duration`` (histograms, ms;
 attributes ``perfsdk.region``, ``perfsdk.region.error``), ``perfsdk.region.errors`` (counter;
-``perfsdk.region``, ``error.type``), ``perfsdk.step.throughput`` (histogram, samples/s of each
+``perfsdk.region``, ``error.type``), ``perfsdk.region.unrecorded`` (counter: regions perfsdk's
+pipeline could not queue, which the histograms lack; ``perfsdk.region``),
+``perfsdk.step.throughput`` (histogram, samples/s of each
 step given ``samples``; ``perfsdk.region``), ``process.memory.usage`` (RSS, By; an up-down
 counter as the semantic conventions define it; where ``/proc`` is missing, the peak RSS from
 ``getrusage``) and, with a GPU readings callable, the hardware conventions'
@@ -71,6 +73,7 @@ BUCKETS_MS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0
 DEFAULT_INTERVAL_MS = 10_000.0  # OTel's own default is 60 s
 DURATION, DEVICE = "perfsdk.region.duration", "perfsdk.region.device_duration"
 THROUGHPUT = "perfsdk.step.throughput"
+UNRECORDED = "perfsdk.region.unrecorded"
 THROUGHPUT_BUCKETS = (0.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 250.0, 500.0, 750.0, 1000.0,
                       2500.0, 5000.0, 7500.0, 10000.0)
 """The SDK's default explicit bucket bounds, which the throughput histogram has always had."""
@@ -234,6 +237,9 @@ class _Instruments:
             "perfsdk.region.errors", unit="{error}", description="Regions left by an exception.")
         self.throughput = meter.create_histogram(
             THROUGHPUT, unit=DESCRIBED[THROUGHPUT][1], description=DESCRIBED[THROUGHPUT][0])
+        self.unrecorded = meter.create_counter(
+            UNRECORDED, unit="{region}", description="Regions perfsdk's pipeline could not "
+            "queue (its pending queue was full): counted here, absent from the histograms.")
         meter.create_observable_up_down_counter(
             "process.memory.usage", [lambda _: [Observation(v) for v in (rss_bytes(),) if v]],
             unit="By", description="The amount of physical memory in use.")
@@ -272,6 +278,20 @@ class _Instruments:
                 self.throughput.record(rate, {"perfsdk.region": name})
         for (name, etype), n in errors.items():  # one add per name and type in the batch
             self.errors.add(n, {"perfsdk.region": name, "error.type": etype})
+
+    def tally(self, overflow: dict[int, list[int]]) -> None:
+        """Regions the pipeline could not queue (``{spec index: [calls, host ns, errors]}``):
+        their calls in ``perfsdk.region.unrecorded``, their errors in ``perfsdk.region.errors``
+        (of unknown type: ``_OTHER``, as the semantic conventions name it)."""
+        by_name: dict[str, list[int]] = {}
+        for index, (calls, _, errors) in overflow.items():
+            counts = by_name.setdefault(SPECS[index].name, [0, 0])
+            counts[0] += calls
+            counts[1] += errors
+        for name, (calls, errors) in by_name.items():
+            self.unrecorded.add(calls, {"perfsdk.region": name})
+            if errors:
+                self.errors.add(errors, {"perfsdk.region": name, "error.type": "_OTHER"})
 
     def _attributes(self, key: tuple[str, bool]) -> dict[str, Any]:
         attrs = self._attrs[key] = {"perfsdk.region": key[0], "perfsdk.region.error": key[1]}
@@ -446,6 +466,12 @@ class MetricsSink:
     def consume(self, records: list[Record]) -> None:
         if self.mode != "off" and self._instruments is not None:
             self._instruments.record(records)
+
+    def tally(self, overflow: dict[int, list[int]]) -> None:
+        """Regions the pipeline could not queue: counted, so that the histograms' counts are
+        not silently short of the calls (``perfsdk.region.unrecorded``)."""
+        if self.mode != "off" and self._instruments is not None:
+            self._instruments.tally(overflow)
 
     def _gpu_callback(self, key: str, integer: bool) -> Callable[[CallbackOptions],
                                                                  Iterable[Observation]]:

@@ -8,6 +8,7 @@ process; the global-provider scenarios (owned / user / off) run in subprocesses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -165,6 +166,35 @@ def test_errors_counted_per_region_and_type(sink: MetricsSink, reader: InMemoryM
     again = points(reader)["perfsdk.region.errors"]
     assert {p.attributes["error.type"]: p.value for p in again} == {"ValueError": 4,
                                                                      "KeyError": 2}
+
+
+def test_regions_the_pipeline_could_not_queue_are_counted(
+        sink: MetricsSink, reader: InMemoryMetricReader, monkeypatch: pytest.MonkeyPatch):
+    """Past the pending queue's bound a region reaches no histogram: the sink counts it in
+    perfsdk.region.unrecorded (and its error, of unknown type), so the histograms' counts are
+    not silently short of the calls."""
+    PIPELINE.start()  # a first region starts it, under the lock held below
+    PIPELINE.drain(wait=True)
+    PIPELINE.sinks.append(sink)
+    try:
+        with PIPELINE._drain_lock:  # the pipeline thread drains nothing meanwhile
+            monkeypatch.setattr(PIPELINE, "max_pending", len(PIPELINE.queue) + 3)
+            for i in range(8):
+                with contextlib.suppress(ValueError), perfsdk.timed_region("full"):
+                    if i in (5, 6):
+                        raise ValueError(i)
+        monkeypatch.undo()
+        PIPELINE.drain(wait=True)
+    finally:
+        PIPELINE.sinks.remove(sink)
+    got = points(reader)
+    assert counts_by_name(reader) == {"full": 3}  # the three the queue took
+    (unrecorded,) = got["perfsdk.region.unrecorded"]
+    assert unrecorded.value == 5
+    assert dict(unrecorded.attributes) == {"perfsdk.region": "full"}
+    (errors,) = got["perfsdk.region.errors"]
+    assert errors.value == 2
+    assert dict(errors.attributes) == {"perfsdk.region": "full", "error.type": "_OTHER"}
 
 
 def test_device_histogram_only_for_regions_with_device_time(fake_cuda: Any,
