@@ -212,6 +212,15 @@ class TraceSink:
                       f"regions (PERFSDK_TRACE_MAX_REGIONS); later ones are counted (otherData "
                       f"'perfsdk.dropped_regions' in {self.path}) but not written.")
 
+    def tally(self, overflow: dict[int, list[int]]) -> None:
+        """Regions the pipeline could not queue (``{spec index: [calls, host ns, errors]}``):
+        not in the trace, but counted in its ``perfsdk.dropped_regions``."""
+        if self.output_dir is None:
+            return
+        with self._lock:
+            self.dropped += sum(calls for calls, _, _ in overflow.values())
+            self._dirty = True
+
     def _see_threads(self, idents: set[int]) -> dict[int, int]:
         """Thread ident -> lane key for one batch of records: the ident itself, or, for a later
         thread that reuses the ident of a thread already in the trace (its entry in

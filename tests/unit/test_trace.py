@@ -276,6 +276,31 @@ def test_sink_writes_on_flush_and_counts_drops(tmp_path: Path) -> None:
     assert sink.stats() == {"trace_regions": 3, "trace_regions_dropped": 2}
 
 
+def test_regions_the_pipeline_could_not_queue_count_as_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the pending queue's bound a region never reaches the trace: the file's
+    perfsdk.dropped_regions says how many are missing."""
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    PIPELINE.start()  # a first region starts it, under the lock held below
+    PIPELINE.drain(wait=True)
+    PIPELINE.sinks.append(sink)
+    try:
+        with PIPELINE._drain_lock, warnings.catch_warnings():  # the pipeline holds still
+            warnings.simplefilter("ignore", PerfSDKWarning)  # the overflow's own warning
+            monkeypatch.setattr(PIPELINE, "max_pending", len(PIPELINE.queue) + 2)
+            for i in range(6):
+                with perfsdk.timed_region(f"q{i}"):
+                    pass
+        monkeypatch.undo()
+        perfsdk.flush()
+    finally:
+        PIPELINE.sinks.remove(sink)
+    data = load(sink.path)
+    assert [e["name"] for e in slices(data)] == ["q0", "q1"]
+    assert data["otherData"]["perfsdk.dropped_regions"] == 4
+    assert sink.stats() == {"trace_regions": 2, "trace_regions_dropped": 4}
+
+
 def test_sink_is_off_without_the_trace_exporter(tmp_path: Path) -> None:
     sink = TraceSink(Config(output_dir=tmp_path))
     with capture():
