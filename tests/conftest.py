@@ -160,22 +160,14 @@ def _cuda_left_alone(request: pytest.FixtureRequest) -> Iterator[None]:
     import torch
 
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        with use_fake_cuda(_without_a_gpu()):
-            _real_gpu_sampler_stopped()
-            yield
+        request.getfixturevalue("no_cuda")  # torn down with the test's own fixtures
+        yield
         return
     yield
     if (torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
             and request.node.get_closest_marker("initializes_cuda") is None):
         pytest.fail("this test, not marked gpu, initialized CUDA; every later test in this "
                     "process runs with it initialized", pytrace=False)
-
-
-def _without_a_gpu() -> FakeCuda:
-    fake = FakeCuda()
-    fake.initialized = fake.available = False
-    fake.devices = []
-    return fake
 
 
 def _real_gpu_sampler_stopped() -> None:
@@ -201,7 +193,10 @@ def no_cuda() -> Iterator[FakeCuda]:
     """perfsdk's device interface routed to a machine without a GPU, on any machine: a test of
     CPU behaviour must not depend on whether an earlier test initialized CUDA (on a GPU
     machine one did, and regions recorded device events)."""
-    with use_fake_cuda(_without_a_gpu()) as fake:
+    fake = FakeCuda()
+    fake.initialized = fake.available = False
+    fake.devices = []
+    with use_fake_cuda(fake):
         _real_gpu_sampler_stopped()
         yield fake
 
