@@ -1,12 +1,16 @@
 """The local trace file: every resolved region as a Chrome Trace Event Format JSON file that opens
 in ui.perfetto.dev, chrome://tracing and the Chrome DevTools Performance panel.
 
-With ``PERFSDK_EXPORTER=trace`` (or ``configure(exporter="trace")``) :class:`TraceSink` keeps the
-regions in memory (at most ``max_events``; the rest are counted, never silently lost) and writes
-``<output_dir>/trace-<pid>.json`` completely at each :func:`perfsdk.flush` and at shutdown, on
-a writer thread of its own (the caller only waits, at most the flush timeout), through a
-temporary file and ``os.replace``: whoever opens the file sees the previous or the new
-trace, never half of one. :func:`write_trace` writes the same file from ``RegionResult`` s.
+With ``PERFSDK_EXPORTER=trace`` (or ``configure(exporter="trace")``) :class:`TraceSink` renders
+each region once, on a writer thread of its own (never the caller's or the pipeline's): at most
+``max_events`` of them (the rest are counted, never silently lost), held as the file's text. It
+writes ``<output_dir>/trace-<pid>.json`` at each :func:`perfsdk.flush`, at shutdown and every
+:data:`WRITE_EVERY_S` seconds while regions arrive (so a process killed without its exit still
+leaves its trace), through a temporary file and ``os.replace``: whoever opens the file sees the
+previous or the new trace, never half of one. A write renders only the regions that arrived
+since the last one and writes out the rest as text, so what a flush costs does not grow with the
+regions already in the file (the whole file was rendered again at every flush, about 10 us a
+region: 1.5 s for 160,000). :func:`write_trace` writes the same file from ``RegionResult`` s.
 
 The file:
 
@@ -23,8 +27,10 @@ The file:
 * metadata events name the process and each thread lane, also the lane of a thread that ended
   before its regions were exported (its name is noted at its first region: perfsdk.record's
   ``THREAD_NAMES``); a later thread that reuses a dead thread's ident gets a lane and name of its
-  own. A child is emitted after its parent and
-  always lies inside it (same clock, exact integers). Regions of one thread that overlap without
+  own. A child always lies inside its parent (same clock, exact integers). Within one write,
+  slices follow their start, a parent before a child that starts at the same nanosecond; a
+  region that ended after a write follows the slices that write held (viewers order slices by
+  their start themselves). Regions of one thread that overlap without
   nesting (asyncio tasks interleaving) go to an extra lane, ``<thread> (overlap N)``, because
   trace viewers require the slices of one lane to nest;
 * device time is an argument, ``perfsdk.device_ms``, not a lane: a CUDA event pair gives a
@@ -35,11 +41,13 @@ The file:
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -70,8 +78,17 @@ from perfsdk.record import (
 __all__ = ["MAX_EVENTS", "TraceSink", "write_trace"]
 
 MAX_EVENTS = 250_000
-"""Regions a :class:`TraceSink` keeps by default (about 300 bytes each in memory); the
-``PERFSDK_TRACE_MAX_REGIONS`` setting."""
+"""Regions a :class:`TraceSink` writes by default (held as the file's text, about 200 bytes
+each); the ``PERFSDK_TRACE_MAX_REGIONS`` setting."""
+
+WRITE_EVERY_S = 30.0
+"""Seconds between the writer thread's own writes of the file while regions arrive (besides
+:func:`perfsdk.flush` and shutdown): a process killed without its exit leaves its trace as of
+then."""
+
+RENDER_EVERY_S = 1.0
+"""Seconds between the writer thread's renderings of the regions that arrived, so that a flush
+or the exit has at most about this long's regions left to render."""
 
 _LANE_STRIDE = 1 << 22
 """Added to a thread's id per overlap lane (Linux thread ids stay below 2**22)."""
@@ -122,17 +139,20 @@ def write_trace(path: str | os.PathLike[str], regions: Iterable[RegionResult]) -
                              "accepted values are an iterable of perfsdk.RegionResult")
         events.append(_from_result(region))
     target = Path(path)
-    _atomic_write(target, render(events, _threads({e[4] for e in events}, {}), dropped=0))
+    out = _TraceFile()
+    out.render(events, _threads({e[4] for e in events}, {}))
+    out.write(target, dropped=0)
     return target
 
 
 class TraceSink:
     """A pipeline sink that writes the trace file when the ``trace`` exporter is on.
 
-    Regions are kept in memory (at most ``max_events``, default ``PERFSDK_TRACE_MAX_REGIONS``;
-    the rest counted); the file is rendered and written on a writer thread of its own, never on
-    the caller's or the pipeline's, when :meth:`flush` or :meth:`shutdown` asks (each waits at
-    most its timeout).
+    The pipeline hands it records (:meth:`consume`: at most ``max_events``, default
+    ``PERFSDK_TRACE_MAX_REGIONS``, are kept; the rest counted); a writer thread of its own, never
+    the caller's or the pipeline's, renders them every :data:`RENDER_EVERY_S` seconds and writes
+    the file when :meth:`flush` or :meth:`shutdown` asks (each waits at most its timeout) and
+    every :data:`WRITE_EVERY_S` seconds while regions arrive.
     """
 
     def __init__(self, config: Config, *, max_events: int | None = None) -> None:
@@ -142,6 +162,8 @@ class TraceSink:
                              "integers >= 1")
         self._fixed_max = max_events
         self.max_events = max_events or config.trace_max_regions
+        self.render_every_s = RENDER_EVERY_S
+        self.write_every_s = WRITE_EVERY_S
         self._write_lock = threading.Lock()
         self._writer_state()
         self._reset()
@@ -150,17 +172,13 @@ class TraceSink:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._events: list[_Event] = []
-        self._threads: dict[int, tuple[int, str]] = {}
-        self._lane_of: dict[int, tuple[int, Any]] = {}
-        self.dropped = 0
-        self._dirty = False
+        self._file = _TraceFile()
 
     def _writer_state(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._requested = 0
         self._done = 0
-        self._jobs: list[tuple[Path, list[_Event], dict[int, tuple[int, str]], int]] = []
+        self._jobs: list[tuple[Path, _TraceFile]] = []
         self._writer: threading.Thread | None = None
 
     @property
@@ -168,6 +186,11 @@ class TraceSink:
         """This process's trace file, or None while the ``trace`` exporter is off."""
         out = self.output_dir
         return None if out is None else out / f"trace-{os.getpid()}.json"
+
+    @property
+    def dropped(self) -> int:
+        """Regions of the current file that are counted but not written."""
+        return self._file.dropped
 
     def configure(self, config: Config, timeout: float | None = None) -> None:
         """Turn the file on or off, or move it: what was collected goes to the old file first
@@ -181,10 +204,9 @@ class TraceSink:
         ticket = None
         with self._lock:
             path = self.path
-            if path is not None and self._dirty:
-                ticket = self._request((path, self._events, self._threads, self.dropped))
-            self._events, self._threads, self.dropped, self._dirty = [], {}, 0, False
-            self._lane_of = {}
+            if path is not None and self._file.dirty:
+                ticket = self._request((path, self._file))
+            self._file = _TraceFile()
             self.output_dir = new_dir
         if ticket is not None:
             self._wait(ticket, config.export_timeout_s if timeout is None else timeout)
@@ -195,19 +217,23 @@ class TraceSink:
         window = _gpu.TELEMETRY.window
         ranks = rank_attributes() or None  # this process's rank: once per batch, as spans do
         with self._lock:
-            room = self.max_events - len(self._events)
+            out = self._file
+            room = self.max_events - out.count
             keep = records if room >= len(records) else records[:max(room, 0)]
-            events = self._events
             if keep:
-                lane = self._see_threads({rec[THREAD] for rec in keep})
+                lane = self._see_threads(out, {rec[THREAD] for rec in keep})
+                pending = out.pending
                 for rec in keep:
-                    events.append(_from_record(rec, window, lane[rec[THREAD]], ranks))
-                self._dirty = True
+                    pending.append(_from_record(rec, window, lane[rec[THREAD]], ranks))
+                out.count += len(keep)
+                out.dirty = True
             lost = len(records) - len(keep)
+            if lost:
+                out.dropped += lost
+                out.dirty = True
+        if self._writer is None:
+            self._start_writer()
         if lost:
-            with self._lock:
-                self.dropped += lost
-                self._dirty = True
             warn_once("trace-cap", f"perfsdk: the trace file holds at most {self.max_events:,} "
                       f"regions (PERFSDK_TRACE_MAX_REGIONS); later ones are counted (otherData "
                       f"'perfsdk.dropped_regions' in {self.path}) but not written.")
@@ -218,32 +244,33 @@ class TraceSink:
         if self.output_dir is None:
             return
         with self._lock:
-            self.dropped += sum(calls for calls, _, _ in overflow.values())
-            self._dirty = True
+            self._file.dropped += sum(calls for calls, _, _ in overflow.values())
+            self._file.dirty = True
 
-    def _see_threads(self, idents: set[int]) -> dict[int, int]:
+    @staticmethod
+    def _see_threads(out: _TraceFile, idents: set[int]) -> dict[int, int]:
         """Thread ident -> lane key for one batch of records: the ident itself, or, for a later
         thread that reuses the ident of a thread already in the trace (its entry in
         ``THREAD_NAMES`` was replaced), a key of its own, so each thread keeps its own lane and
         name. A thread's records exported only after a later one took its ident are named
         after the later one (Python gives no cheaper way to tell them apart)."""
-        out: dict[int, int] = {}
+        result: dict[int, int] = {}
         new: dict[int, int] = {}
-        lane_of = self._lane_of
+        lane_of = out.lane_of
         for ident in idents:
             entry = THREAD_NAMES.get(ident)
             seen = lane_of.get(ident)
             if seen is not None and (entry is None or seen[1] is entry):
-                out[ident] = seen[0]
+                result[ident] = seen[0]
                 continue
-            key = ident if seen is None else ident + ((len(self._threads) + 1) << 64)
+            key = ident if seen is None else ident + ((len(out.threads) + 1) << 64)
             lane_of[ident] = (key, entry)
-            out[ident] = new[ident] = key
+            result[ident] = new[ident] = key
         if new:
-            named = _threads(new, self._threads)
+            named = _threads(new, out.threads)
             for ident, key in new.items():
-                self._threads[key] = named[ident]
-        return out
+                out.threads[key] = named[ident]
+        return result
 
     def flush(self, timeout: float) -> None:
         self._wait(self._request(), timeout)
@@ -258,19 +285,23 @@ class TraceSink:
         self._reset()
 
     def stats(self) -> dict[str, int]:
-        return {"trace_regions": len(self._events), "trace_regions_dropped": self.dropped}
+        return {"trace_regions": self._file.count, "trace_regions_dropped": self._file.dropped}
 
     # -- the writer thread -------------------------------------------------------------------
-    def _request(self, job: Any = None) -> int:
-        """Ask the writer thread for a write (of ``job``, else of the current file)."""
+    def _start_writer(self) -> None:
         with self._cond:
-            if job is not None:
-                self._jobs.append(job)
-            self._requested += 1
             if self._writer is None:
                 self._writer = threading.Thread(target=self._run, name="perfsdk-trace-writer",
                                                 daemon=True)
                 self._writer.start()
+
+    def _request(self, job: tuple[Path, _TraceFile] | None = None) -> int:
+        """Ask the writer thread for a write (of ``job``, else of the current file)."""
+        self._start_writer()
+        with self._cond:
+            if job is not None:
+                self._jobs.append(job)
+            self._requested += 1
             self._cond.notify_all()
             return self._requested
 
@@ -280,35 +311,51 @@ class TraceSink:
 
     def _run(self) -> None:
         pid = os.getpid()
+        written = time.monotonic()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._requested > self._done)
+                asked = self._cond.wait_for(lambda: self._requested > self._done,
+                                            self.render_every_s)
                 target, jobs, self._jobs = self._requested, self._jobs, []
             if os.getpid() != pid:
                 return
-            for path, events, threads, dropped in jobs:
-                self._write_file(path, events, threads, dropped)
-            self._write()
-            with self._cond:
-                self._done = target
-                self._cond.notify_all()
+            for path, out in jobs:
+                self._write_file(path, out)
+            now = time.monotonic()
+            if asked or now - written >= self.write_every_s:
+                self._write()
+                written = now
+            else:  # between writes: render what arrived, so a write has little left to do
+                with self._write_lock:
+                    self._render(self._file)
+            if asked:
+                with self._cond:
+                    self._done = target
+                    self._cond.notify_all()
+
+    def _render(self, out: _TraceFile) -> int:
+        """Render the regions ``out`` holds pending (the writer's, under its lock); returns the
+        regions dropped so far, for the file's ``otherData``."""
+        with self._lock:
+            events, out.pending = out.pending, []
+            names, dropped = dict(out.threads), out.dropped
+        out.render(events, names)
+        return dropped
 
     def _write(self) -> None:
         with self._lock:
-            path = self.path
-            if path is None or not self._dirty:
+            path, out = self.path, self._file
+            if path is None or not out.dirty:
                 return
-            events, threads, dropped = list(self._events), dict(self._threads), self.dropped
-            self._dirty = False
-        if not self._write_file(path, events, threads, dropped):
+            out.dirty = False
+        if not self._write_file(path, out):
             with self._lock:
-                self._dirty = True
+                out.dirty = True
 
-    def _write_file(self, path: Path, events: list[_Event],
-                    threads: Mapping[int, tuple[int, str]], dropped: int) -> bool:
+    def _write_file(self, path: Path, out: _TraceFile) -> bool:
         with self._write_lock:
             try:
-                _atomic_write(path, render(events, threads, dropped))
+                out.write(path, self._render(out))
             except Exception as exc:  # never break the program: warn once, try again next flush
                 warn_once("trace-write", f"perfsdk: could not write the trace file {path} "
                           f"({exc!r}); check PERFSDK_OUTPUT_DIR.")
@@ -429,69 +476,152 @@ def _depths(events: list[_Event]) -> dict[int, int]:
     return depth
 
 
-def _lanes(events: list[_Event]) -> list[int]:
-    """For events of one thread sorted parent-first: the lane each goes to so that every lane
-    nests properly (0 = the thread's own lane)."""
-    stacks: list[list[int]] = []
-    lanes = []
-    for e in events:
-        t0, t1 = e[2], e[3]
-        for k, stack in enumerate(stacks):
-            while stack and stack[-1] <= t0:
-                stack.pop()
-            if not stack or t1 <= stack[-1]:
-                stack.append(t1)
-                lanes.append(k)
-                break
-        else:
-            if len(stacks) < _MAX_LANES:
-                stacks.append([t1])
-            lanes.append(len(stacks) - 1)  # past the limit: improperly nested, still written
-    return lanes
+class _Lanes:
+    """One thread's lanes, so that the slices of each nest: where each region goes as regions
+    arrive, in any order, without the regions already placed (a region goes to the first lane
+    where it provably nests, else to a new one).
+
+    A lane keeps its outermost regions (disjoint, in start order, as two lists); what they hold
+    nests in them and is forgotten. A region fits a lane when it holds or misses each of them:
+    a thread's regions arrive in the order they ended, children first, so the new region holds
+    those it overlaps. One that lies inside a kept region (it ended earlier than one already
+    placed: held back for its GPU work) cannot be checked against the forgotten ones, and goes
+    to another lane. Each lane keeps at most :data:`_KEEP` outermost regions; of the ones it
+    forgets past that it notes the span, and a region that reaches into that span fits only if
+    it holds all of it (an epoch's region around its steps)."""
+
+    __slots__ = ("gone", "lanes")
+
+    def __init__(self) -> None:
+        self.lanes: list[tuple[list[int], list[int]]] = []
+        self.gone: list[tuple[int, int] | None] = []  # (first start, last end) forgotten
+
+    def place(self, t0: int, t1: int) -> int:
+        """The lane of a region from ``t0`` to ``t1`` (0 = the thread's own), noted there."""
+        for k, (starts, ends) in enumerate(self.lanes):
+            gone = self.gone[k]
+            if gone is not None and t0 < gone[1]:
+                if t0 > gone[0] or t1 < gone[1] or not _fit(starts, ends, t0, t1):
+                    continue  # it may cross a forgotten region
+                self.gone[k] = None  # it holds them all
+                return k
+            if _fit(starts, ends, t0, t1):
+                if len(starts) > _KEEP:
+                    cut = _KEEP // 4
+                    self.gone[k] = (starts[0] if gone is None else gone[0], ends[cut - 1])
+                    del starts[:cut], ends[:cut]
+                return k
+        if len(self.lanes) < _MAX_LANES:
+            self.lanes.append(([t0], [t1]))
+            self.gone.append(None)
+        return len(self.lanes) - 1  # past the limit: improperly nested, still written
 
 
-def render(events: list[_Event], threads: Mapping[int, tuple[int, str]], dropped: int) -> str:
-    """The trace file's text for stored events."""
-    pid = os.getpid()
-    depth = _depths(events)
-    by_thread: dict[int, list[_Event]] = {}
-    for e in events:
-        by_thread.setdefault(e[4], []).append(e)
-    process = Path(sys.argv[0]).name if sys.argv and sys.argv[0][:1] not in ("", "-") else "python"
-    lines = [_json({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                    "args": {"name": process}})]
-    body: list[str] = []
-    firsts = sorted(by_thread.items(), key=lambda kv: min(e[2] for e in kv[1]))
-    for order, (ident, group) in enumerate(firsts):
-        tid, name = threads.get(ident) or (_UNKNOWN_TID - 1 - order, f"thread {ident}")
-        group.sort(key=lambda e: (e[2], e[2] - e[3], depth.get(e[5], 0)))
-        lanes = _lanes(group)
-        for k in sorted(set(lanes)):
-            lane_tid = tid + k * _LANE_STRIDE
-            label = name if k == 0 else f"{name} (overlap {k})"
-            lines.append(_json({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane_tid,
-                                "args": {"name": label}}))
-            lines.append(_json({"ph": "M", "name": "thread_sort_index", "pid": pid,
-                                "tid": lane_tid, "args": {"sort_index": order * 256 + k}}))
-        for e, k in zip(group, lanes, strict=True):
-            body.append(
-                f'{{"ph":"X","name":{_json(e[0])},"cat":{_json(e[1] or "perfsdk")},'
-                f'"pid":{pid},"tid":{tid + k * _LANE_STRIDE},"ts":{_us(e[2])},'
-                f'"dur":{_us(e[3] - e[2])},"args":{_json(_args(e))}}}')
-    other = {"perfsdk.version": __version__, "perfsdk.regions": len(events),
-             "perfsdk.dropped_regions": dropped,
-             "perfsdk.clock": "host perf_counter (CLOCK_MONOTONIC on Linux), microseconds",
-             "perfsdk.ts_origin_epoch_ns": clocks.epoch_ns(0)}
-    return ('{"traceEvents":[\n' + ",\n".join(lines + body) + '\n],"displayTimeUnit":"ms",'
-            f'"otherData":{_json(other)}}}\n')
+_KEEP = 4096
+"""Outermost regions a lane keeps (see :class:`_Lanes`)."""
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def _fit(starts: list[int], ends: list[int], t0: int, t1: int) -> bool:
+    """Whether a region from ``t0`` to ``t1`` nests with a lane's outermost regions ``starts``
+    / ``ends``; if so it replaces those it holds."""
+    i = bisect.bisect_right(starts, t0)  # the kept regions that start at or before t0: [0, i)
+    j = i
+    if i and ends[i - 1] > t0:  # t0 lies in region i - 1
+        if starts[i - 1] != t0 or ends[i - 1] > t1:
+            return False  # inside it (its own children are forgotten) or crossing it
+        j = i - 1  # the same start: the new region holds it
+    k = bisect.bisect_left(starts, t1, j)  # the kept regions that start before t1: [j, k)
+    if k > j and ends[k - 1] > t1:
+        return False  # the last of them crosses t1
+    starts[j:k] = [t0]
+    ends[j:k] = [t1]
+    return True
+
+
+class _TraceFile:
+    """One trace file: its regions rendered once each, as they arrive, and kept as text.
+
+    The sink's side (under its lock): ``pending`` regions, their ``count`` with the rendered
+    ones, ``dropped``, ``dirty``, and the thread names and lane keys (``threads``,
+    ``lane_of``). The writer's side (under its write lock): the rendered text (``chunks``), each
+    thread's :class:`_Lanes`, the order threads arrived in, and the lanes already named."""
+
+    def __init__(self) -> None:
+        self.pending: list[_Event] = []
+        self.count = 0
+        self.dropped = 0
+        self.dirty = False
+        self.threads: dict[int, tuple[int, str]] = {}
+        self.lane_of: dict[int, tuple[int, Any]] = {}
+        self.chunks: list[bytes] = []
+        self.rendered = 0
+        self.lanes: dict[int, _Lanes] = {}
+        self.order: dict[int, int] = {}
+        self.named: set[int] = set()
+
+    def render(self, events: list[_Event], threads: Mapping[int, tuple[int, str]]) -> None:
+        """Add ``events`` (regions from :func:`_from_record` or :func:`_from_result`) to the
+        text: a lane's metadata lines when a region opens it, then the slices in start order
+        (a parent before a child that starts at the same nanosecond)."""
+        if not events:
+            return
+        pid = os.getpid()
+        depth = _depths(events)
+        by_thread: dict[int, list[_Event]] = {}
+        for e in events:
+            by_thread.setdefault(e[4], []).append(e)
+        lines: list[str] = []
+        for ident, group in sorted(by_thread.items(), key=lambda kv: min(e[2] for e in kv[1])):
+            order = self.order.setdefault(ident, len(self.order))
+            tid, name = threads.get(ident) or (_UNKNOWN_TID - 1 - order, f"thread {ident}")
+            lanes = self.lanes.get(ident)
+            if lanes is None:
+                lanes = self.lanes[ident] = _Lanes()
+            lane_of: dict[int, int] = {}
+            # In the order they ended, a child before the parent ending with it: each region
+            # then holds the ones of its lane that it overlaps.
+            for i in sorted(range(len(group)), key=lambda i: (group[i][3], -group[i][2])):
+                k = lane_of[i] = lanes.place(group[i][2], group[i][3])
+                lane_tid = tid + k * _LANE_STRIDE
+                if lane_tid not in self.named:
+                    self.named.add(lane_tid)
+                    label = name if k == 0 else f"{name} (overlap {k})"
+                    lines.append(_json({"ph": "M", "name": "thread_name", "pid": pid,
+                                        "tid": lane_tid, "args": {"name": label}}))
+                    lines.append(_json({"ph": "M", "name": "thread_sort_index", "pid": pid,
+                                        "tid": lane_tid,
+                                        "args": {"sort_index": order * 256 + k}}))
+            for i in sorted(range(len(group)), key=lambda i: (
+                    group[i][2], group[i][2] - group[i][3], depth.get(group[i][5], 0))):
+                e = group[i]
+                lines.append(
+                    f'{{"ph":"X","name":{_json(e[0])},"cat":{_json(e[1] or "perfsdk")},'
+                    f'"pid":{pid},"tid":{tid + lane_of[i] * _LANE_STRIDE},"ts":{_us(e[2])},'
+                    f'"dur":{_us(e[3] - e[2])},"args":{_json(_args(e))}}}')
+        self.chunks.append("".join(",\n" + line for line in lines).encode())
+        self.rendered += len(events)
+
+    def write(self, path: Path, dropped: int) -> None:
+        """Write the file: what is rendered, with the process's name and ``otherData``."""
+        process = Path(sys.argv[0]).name if sys.argv and sys.argv[0][:1] not in ("", "-") \
+            else "python"
+        head = '{"traceEvents":[\n' + _json({"ph": "M", "name": "process_name",
+                                              "pid": os.getpid(), "tid": 0,
+                                              "args": {"name": process}})
+        other = {"perfsdk.version": __version__, "perfsdk.regions": self.rendered,
+                 "perfsdk.dropped_regions": dropped,
+                 "perfsdk.clock": "host perf_counter (CLOCK_MONOTONIC on Linux), microseconds",
+                 "perfsdk.ts_origin_epoch_ns": clocks.epoch_ns(0)}
+        tail = f'\n],"displayTimeUnit":"ms","otherData":{_json(other)}}}\n'
+        _atomic_write(path, [head.encode(), *self.chunks, tail.encode()])
+
+
+def _atomic_write(path: Path, parts: list[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
+        with tmp.open("wb") as f:
+            f.writelines(parts)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
