@@ -158,9 +158,10 @@ PERFSDK_EXPORT_BACKOFF_MAX: Final = "PERFSDK_EXPORT_BACKOFF_MAX"
 >= ``PERFSDK_EXPORT_BACKOFF_MIN`` and <= 86400. Default ``30``."""
 
 PERFSDK_TRACE_MAX_REGIONS: Final = "PERFSDK_TRACE_MAX_REGIONS"
-"""Regions the ``trace`` exporter's file holds at most (about 300 bytes each in memory), an
-integer from 1 to 100,000,000. Default ``250000``. Later regions are counted in the file's
-``otherData`` (``perfsdk.dropped_regions``) and in :func:`perfsdk.diagnostics`."""
+"""Regions the ``trace`` exporter's file holds at most (their text kept in memory: about
+170 bytes each), an integer from 1 to 100,000,000. Default ``250000``. Later regions are
+counted in the file's ``otherData`` (``perfsdk.dropped_regions``) and in
+:func:`perfsdk.diagnostics`."""
 
 PERFSDK_SYNC_GUARD: Final = "PERFSDK_SYNC_GUARD"
 """Override the mode of every :func:`perfsdk.no_sync_guard`: ``off``, ``count``, ``warn`` or

@@ -334,6 +334,26 @@ def test_summary_cost_benchmark_shape(tmp_path: Path):
     assert "one _Series.add call a record" in stdout
 
 
+# -- benchmarks/trace_flush.py --------------------------------------------------------------------
+TF_SCRIPT = REPO_ROOT / "benchmarks" / "trace_flush.py"
+
+
+def test_trace_flush_benchmark_shape(tmp_path: Path):
+    result, stdout = run_quick(TF_SCRIPT, tmp_path / "trace_flush.json")
+    settings = result["settings"]
+    assert settings["quick"] is True
+    assert set(result["results"]) == {str(n) for n in settings["sizes"]}
+    for size, r in result["results"].items():
+        # the file holds the regions handed over and one step (4 regions) per timed flush
+        assert r["regions_in_file"] == int(size) + 4 * settings["repeats"]
+        assert positive(r["file_mb"])
+        for key in ("flush_ms", "whole_render_ms"):
+            assert positive(r[key]["median"])
+            assert len(r[key]["samples"]) == settings["repeats"]
+        assert positive(r["whole_over_flush"])
+    assert "every region rendered again" in stdout
+
+
 # -- benchmarks/step_overhead.py ------------------------------------------------------------------
 STEP_SCRIPT = REPO_ROOT / "benchmarks" / "step_overhead.py"
 STEP_CONFIGS = {"summary", "otlp_drop", "otlp_encode", "run"}

@@ -176,3 +176,25 @@ def test_trace_exporter_file_read_by_devtools_engine(engine_dir: Path, tmp_path:
     regions, other = run_two_threads(lambda cap: perfsdk.flush())
     [trace] = tmp_path.glob("trace-*.json")
     check(read(engine_dir, trace), regions, other)
+
+
+def test_a_file_written_in_pieces_reads_as_one_tree(engine_dir: Path, tmp_path: Path) -> None:
+    """Flushes inside the step: its children are written before it (the sink renders regions
+    as they arrive, in the order they ended); the engine still builds the same tree."""
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    with capture() as cap, perfsdk.timed_region("step", category="step"):
+        with perfsdk.timed_region("forward", category="compute"):
+            with perfsdk.timed_region("layer1"):
+                time.sleep(0.002)
+            perfsdk.flush()
+            with perfsdk.timed_region("layer2"):
+                time.sleep(0.001)
+        perfsdk.flush()
+        with perfsdk.timed_region("update", category="update"):
+            time.sleep(0.001)
+    perfsdk.flush()
+    [trace] = tmp_path.glob("trace-*.json")
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert names == ["layer1", "forward", "layer2", "step", "update"]  # written in pieces
+    [main] = [t for t in read(engine_dir, trace) if t["name"] == "MainThread"]
+    assert [seen(root) for root in main["roots"]] == tree_of(cap.regions, threading.get_ident())

@@ -16,6 +16,7 @@ import perfsdk
 from perfsdk import clocks
 from perfsdk.config import Config
 from perfsdk.errors import PerfSDKWarning
+from perfsdk.export import trace as trace_module
 from perfsdk.export.trace import TraceSink, write_trace
 from perfsdk.lifecycle import TRACE
 from perfsdk.pipeline import PIPELINE
@@ -433,3 +434,144 @@ def test_turning_the_exporter_off_writes_regions_still_waiting_for_the_gpu(
     perfsdk.configure(exporter="none")
     [path] = tmp_path.iterdir()
     assert [e["name"] for e in slices(load(path))] == ["kept"]
+
+
+# -- rendered once, as regions arrive ---------------------------------------------------------
+def test_a_flush_renders_only_the_regions_that_arrived_since_the_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each region is rendered once: a flush after 50 regions and one more renders 1 region,
+    not 51 (every flush rendered the whole file again: 1.5 s at 160,000 regions)."""
+    rendered: list[str] = []
+    args_of = trace_module._args
+
+    def counted(e: Any) -> dict[str, Any]:
+        rendered.append(e[0])
+        return args_of(e)
+
+    monkeypatch.setattr(trace_module, "_args", counted)
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    path = tmp_path / f"trace-{os.getpid()}.json"
+    for i in range(50):
+        with perfsdk.timed_region(f"r{i}"):
+            pass
+    perfsdk.flush()
+    assert len(rendered) == 50
+    with perfsdk.timed_region("last"):
+        pass
+    perfsdk.flush()
+    assert rendered[50:] == ["last"]
+    data = load(path)
+    assert [e["name"] for e in slices(data)] == [f"r{i}" for i in range(50)] + ["last"]
+    assert data["otherData"]["perfsdk.regions"] == 51
+
+
+def test_a_parent_written_after_its_children_nests_them_on_their_lane(tmp_path: Path) -> None:
+    """A flush inside a region writes its finished children; the region itself comes in a
+    later write, on the same lane, holding them (no overlap lane)."""
+    perfsdk.configure(exporter="trace", output_dir=tmp_path)
+    with perfsdk.timed_region("epoch"):
+        for i in range(3):
+            with (perfsdk.timed_region("step", attributes={"perfsdk.step": i}),
+                  perfsdk.timed_region("forward")):
+                pass
+            perfsdk.flush()
+    perfsdk.flush()
+    data = load(tmp_path / f"trace-{os.getpid()}.json")
+    got = slices(data)
+    assert [e["name"] for e in got] == ["step", "forward"] * 3 + ["epoch"]  # epoch: last write
+    assert len({e["tid"] for e in got}) == 1
+    assert set(lane_names(data).values()) == {"MainThread"}
+    epoch = got[-1]
+    for e in got[:-1]:
+        assert epoch["ts"] <= e["ts"]
+        assert e["ts"] + e["dur"] <= epoch["ts"] + epoch["dur"]
+
+
+def nests(lane: list[tuple[int, int]]) -> bool:
+    """Whether every two regions of a lane are disjoint or one holds the other."""
+    return all(a1 <= b0 or b1 <= a0 or (a0 <= b0 and b1 <= a1) or (b0 <= a0 and a1 <= b1)
+               for i, (a0, a1) in enumerate(lane) for (b0, b1) in lane[i + 1:])
+
+
+def tree(rng: Any, t0: int, t1: int, depth: int) -> list[tuple[int, int]]:
+    """Random properly nested regions inside [t0, t1] (the region itself first)."""
+    out = [(t0, t1)]
+    if depth and t1 - t0 > 8:
+        cut = sorted(rng.sample(range(t0, t1 + 1), 4))
+        for a, b in ((cut[0], cut[1]), (cut[2], cut[3])):
+            if rng.random() < 0.8:
+                out += tree(rng, a, b, depth - 1)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lanes_nest_whatever_order_regions_arrive_in(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    nested = [r for k in range(20) for r in tree(rng, k * 1000, k * 1000 + rng.randint(0, 999),
+                                                  4)]
+    crossing = [(a, a + rng.randint(1, 3000)) for a in rng.sample(range(20_000), 15)]
+    # In the order they ended (how one thread's regions arrive): properly nested ones share
+    # one lane.
+    lanes = trace_module._Lanes()
+    assert {lanes.place(*r) for r in sorted(nested, key=lambda r: (r[1], -r[0]))} == {0}
+    # Any order, with regions that cross others (asyncio tasks, regions held for the GPU):
+    # every lane still nests.
+    regions = nested + crossing
+    rng.shuffle(regions)
+    lanes = trace_module._Lanes()
+    by_lane: dict[int, list[tuple[int, int]]] = {}
+    for r in regions:
+        by_lane.setdefault(lanes.place(*r), []).append(r)
+    assert all(nests(lane) for lane in by_lane.values())
+    assert len(by_lane) > 1  # the crossing regions needed lanes of their own
+
+
+def test_a_lane_forgets_old_regions_but_an_epoch_still_holds_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_module, "_KEEP", 8)
+    lanes = trace_module._Lanes()
+    steps = [(10 * i, 10 * i + 5) for i in range(1, 40)]  # each the end of a step
+    assert {lanes.place(*s) for s in steps} == {0}
+    assert len(lanes.lanes[0][0]) <= 9  # the oldest forgotten, their span noted
+    assert lanes.place(12, 14) == 1  # inside a forgotten step: it cannot be checked
+    assert lanes.place(3, 200) == 1  # crosses forgotten steps: another lane
+    assert lanes.place(0, 1000) == 0  # the epoch: holds every step, forgotten or kept
+    assert lanes.lanes[0] == ([0], [1000])
+
+
+def test_the_writer_writes_the_file_while_regions_arrive_so_a_killed_process_leaves_it(
+        tmp_path: Path) -> None:
+    """No flush and no exit (SIGKILL): the file the writer thread wrote on its own holds the
+    regions."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        import perfsdk
+        from perfsdk.lifecycle import TRACE
+        TRACE.write_every_s = 0.05  # the default is 30 s
+        perfsdk.configure(exporter="trace", output_dir=sys.argv[1])
+        for i in range(5):
+            with perfsdk.timed_region("work", attributes={"i": i}):
+                pass
+        path = TRACE.path
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().count('"name":"work"') == 5:
+                break
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    [path] = out.glob("trace-*.json")
+    data = load(path)
+    assert [e["args"]["i"] for e in slices(data)] == list(range(5))
