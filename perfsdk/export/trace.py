@@ -445,9 +445,26 @@ def _us(ns: int) -> str:
 
 def _json(value: Any) -> str:
     try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"), default=str)
+        return _ENCODE(value)
     except ValueError:  # NaN or infinity: not JSON; written as strings
         return json.dumps(_finite(value), separators=(",", ":"), default=str)
+
+
+_ENCODE = json.JSONEncoder(allow_nan=False, separators=(",", ":"), default=str).encode
+"""``json.dumps(value, allow_nan=False, separators=(",", ":"), default=str)``, without making
+an encoder at each call."""
+_NAMES: dict[Any, str] = {}
+"""Region names and categories as JSON strings (a few hundred at most: region specs')."""
+
+
+def _name(value: Any) -> str:
+    """``_json(value)`` for a region's name or category, remembered (at most 4,096)."""
+    text = _NAMES.get(value)
+    if text is None:
+        if len(_NAMES) >= 4096:
+            _NAMES.clear()
+        text = _NAMES[value] = _json(value)
+    return text
 
 
 def _finite(value: Any) -> Any:
@@ -595,7 +612,7 @@ class _TraceFile:
                     group[i][2], group[i][2] - group[i][3], depth.get(group[i][5], 0))):
                 e = group[i]
                 lines.append(
-                    f'{{"ph":"X","name":{_json(e[0])},"cat":{_json(e[1] or "perfsdk")},'
+                    f'{{"ph":"X","name":{_name(e[0])},"cat":{_name(e[1] or "perfsdk")},'
                     f'"pid":{pid},"tid":{tid + lane_of[i] * _LANE_STRIDE},"ts":{_us(e[2])},'
                     f'"dur":{_us(e[3] - e[2])},"args":{_json(_args(e))}}}')
         self.chunks.append("".join(",\n" + line for line in lines).encode())

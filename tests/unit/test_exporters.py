@@ -51,6 +51,27 @@ def test_span_lines_are_the_sdks_own_json_text() -> None:
     assert '"service.name": "other"' in span_line(spans[-1])
 
 
+def test_span_times_are_the_sdks_own_text_to_the_rounding() -> None:
+    """iso_time remembers the date and time of a second; its text is ns_to_iso_str's, at the
+    edges of microseconds and seconds too (a float divided and rounded half to even), and with
+    the seconds visited in any order."""
+    import random
+
+    from opentelemetry.sdk.util import ns_to_iso_str
+
+    from perfsdk.export.exporters import iso_time
+
+    rng = random.Random(7)
+    base = 1_764_470_000_000_000_000  # 2025
+    values = [0, 1, 499, 500, 501, 999, 1_000, 999_999_999, 1_000_000_000, base,
+              base + 999_999_500, base + 999_999_499, base + 999_999_999, base - 1]
+    values += [base + rng.randrange(10**12) for _ in range(20_000)]  # about 17 minutes
+    values += [rng.randrange(4 * 10**18) for _ in range(2_000)]  # any second up to 2096
+    values += [base + s * 1_000_000_000 + 500 * k for s in range(3) for k in range(-3, 4)]
+    rng.shuffle(values)
+    assert [iso_time(v) for v in values] == [ns_to_iso_str(v) for v in values]
+
+
 def test_a_span_of_another_shape_falls_back_to_its_to_json(tmp_path: Path) -> None:
     class Other:
         resource = Resource.create({})
