@@ -273,10 +273,19 @@ class TraceSink:
         return result
 
     def flush(self, timeout: float) -> None:
-        self._wait(self._request(), timeout)
+        self._finish(timeout, "flush")
 
     def shutdown(self, timeout: float) -> None:
-        self._wait(self._request(), timeout)
+        self._finish(timeout, "exit")
+
+    def _finish(self, timeout: float, what: str) -> None:
+        """Ask for a write and wait for it at most ``timeout`` seconds; warn once when the file
+        is not written by then (it keeps what its last write held; the writer goes on)."""
+        path = self.path
+        if not self._wait(self._request(), timeout) and path is not None:
+            warn_once(f"trace-{what}-timeout", f"perfsdk: the trace file {path} was not written "
+                      f"within {timeout:g} s at {what} (PERFSDK_EXPORT_TIMEOUT); it holds the "
+                      "regions of its last write (a slow disk, or a very large file).")
 
     def after_fork(self) -> None:
         """A forked child writes its own file (its own pid) with its own regions only."""

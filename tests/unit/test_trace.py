@@ -575,3 +575,28 @@ def test_the_writer_writes_the_file_while_regions_arrive_so_a_killed_process_lea
     [path] = out.glob("trace-*.json")
     data = load(path)
     assert [e["args"]["i"] for e in slices(data)] == list(range(5))
+
+
+def test_a_write_that_outlasts_the_flush_timeout_warns(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush (or the exit) that cannot wait for the file says so, naming the file and the
+    timeout; the write still lands once the disk lets it."""
+    release = threading.Event()
+    write = trace_module._atomic_write
+
+    def slow(path: Path, parts: list[bytes]) -> None:
+        release.wait(60)
+        write(path, parts)
+
+    monkeypatch.setattr(trace_module, "_atomic_write", slow)
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    with capture() as cap, perfsdk.timed_region("r"):
+        pass
+    sink.consume(list(cap.records))
+    with pytest.warns(PerfSDKWarning, match=r"trace file .*trace-\d+\.json was not written "
+                      r"within 0\.05 s at flush"):
+        sink.flush(0.05)
+    release.set()
+    sink.flush(60.0)
+    assert sink.path is not None
+    assert [e["name"] for e in slices(load(sink.path))] == ["r"]
