@@ -140,8 +140,8 @@ def write_trace(path: str | os.PathLike[str], regions: Iterable[RegionResult]) -
         events.append(_from_result(region))
     target = Path(path)
     out = _TraceFile()
-    out.render(events, _threads({e[4] for e in events}, {}))
-    out.write(target, dropped=0)
+    failed = out.render(events, _threads({e[4] for e in events}, {}))
+    out.write(target, dropped=failed)
     return target
 
 
@@ -336,7 +336,10 @@ class TraceSink:
                 written = now
             else:  # between writes: render what arrived, so a write has little left to do
                 with self._write_lock:
-                    self._render(self._file)
+                    try:
+                        self._render(self._file)
+                    except Exception as exc:  # never end the writer: the next write says why
+                        warn_once("trace-render", f"perfsdk: the trace writer failed ({exc!r})")
             if asked:
                 with self._cond:
                     self._done = target
@@ -347,9 +350,12 @@ class TraceSink:
         regions dropped so far, for the file's ``otherData``."""
         with self._lock:
             events, out.pending = out.pending, []
-            names, dropped = dict(out.threads), out.dropped
-        out.render(events, names)
-        return dropped
+            names = dict(out.threads)
+        failed = out.render(events, names)
+        with self._lock:
+            out.dropped += failed
+            out.count -= failed
+            return out.dropped
 
     def _write(self) -> None:
         with self._lock:
@@ -585,12 +591,14 @@ class _TraceFile:
         self.order: dict[int, int] = {}
         self.named: set[int] = set()
 
-    def render(self, events: list[_Event], threads: Mapping[int, tuple[int, str]]) -> None:
+    def render(self, events: list[_Event], threads: Mapping[int, tuple[int, str]]) -> int:
         """Add ``events`` (regions from :func:`_from_record` or :func:`_from_result`) to the
         text: a lane's metadata lines when a region opens it, then the slices in start order
-        (a parent before a child that starts at the same nanosecond)."""
+        (a parent before a child that starts at the same nanosecond). Returns how many could
+        not be written (an attribute whose ``str()`` raises): warned once, not in the text."""
         if not events:
-            return
+            return 0
+        failed = 0
         pid = os.getpid()
         depth = _depths(events)
         by_thread: dict[int, list[_Event]] = {}
@@ -620,12 +628,19 @@ class _TraceFile:
             for i in sorted(range(len(group)), key=lambda i: (
                     group[i][2], group[i][2] - group[i][3], depth.get(group[i][5], 0))):
                 e = group[i]
-                lines.append(
-                    f'{{"ph":"X","name":{_name(e[0])},"cat":{_name(e[1] or "perfsdk")},'
-                    f'"pid":{pid},"tid":{tid + lane_of[i] * _LANE_STRIDE},"ts":{_us(e[2])},'
-                    f'"dur":{_us(e[3] - e[2])},"args":{_json(_args(e))}}}')
+                try:
+                    lines.append(
+                        f'{{"ph":"X","name":{_name(e[0])},"cat":{_name(e[1] or "perfsdk")},'
+                        f'"pid":{pid},"tid":{tid + lane_of[i] * _LANE_STRIDE},'
+                        f'"ts":{_us(e[2])},"dur":{_us(e[3] - e[2])},"args":{_json(_args(e))}}}')
+                except Exception as exc:  # an attribute that cannot be written: this one only
+                    failed += 1
+                    warn_once("trace-render", f"perfsdk: a region could not be written to the "
+                              f"trace file ({exc!r}); it is counted in otherData "
+                              "'perfsdk.dropped_regions'.")
         self.chunks.append("".join(",\n" + line for line in lines).encode())
-        self.rendered += len(events)
+        self.rendered += len(events) - failed
+        return failed
 
     def write(self, path: Path, dropped: int) -> None:
         """Write the file: what is rendered, with the process's name and ``otherData``."""

@@ -600,3 +600,18 @@ def test_a_write_that_outlasts_the_flush_timeout_warns(tmp_path: Path,
     sink.flush(60.0)
     assert sink.path is not None
     assert [e["name"] for e in slices(load(sink.path))] == ["r"]
+
+
+def test_a_region_that_cannot_be_written_is_counted_and_the_rest_written(
+        tmp_path: Path) -> None:
+    class Unwritable:
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    regions = [result("good", 0, 10, span=1), result("bad", 20, 30, span=2, odd=Unwritable()),
+               result("after", 40, 50, span=3)]
+    with pytest.warns(PerfSDKWarning, match="could not be written to the trace file"):
+        data = load(write_trace(tmp_path / "t.json", regions))
+    assert [e["name"] for e in slices(data)] == ["good", "after"]
+    assert data["otherData"]["perfsdk.regions"] == 2
+    assert data["otherData"]["perfsdk.dropped_regions"] == 1
