@@ -119,16 +119,29 @@ def redact_command(command: Sequence[str]) -> list[str]:
 
 
 class RunRecorder:
-    """A pipeline sink keeping every resolved region as a :class:`RegionResult` (bounded), and
-    the run's own summary (:meth:`summary`: the regions it saw, whether kept or not), while it
-    is entered (``with RunRecorder() as recorder:``)."""
+    """A pipeline sink keeping every resolved region (bounded; :attr:`regions`), and the run's
+    own summary (:meth:`summary`: the regions it saw, whether kept or not), while it is entered
+    (``with RunRecorder() as recorder:``)."""
 
     def __init__(self, limit: int = MAX_REGIONS) -> None:
         self.limit = limit
-        self.regions: list[RegionResult] = []
         self.dropped = 0
+        self._records: list[Any] = []
+        self._regions: list[RegionResult] = []
         self._lock = threading.Lock()
         self._summary = SummarySink()
+
+    @property
+    def regions(self) -> list[RegionResult]:
+        """The regions kept, as :class:`RegionResult` s. The pipeline thread keeps their
+        records; each is made a ``RegionResult`` at the first read after it arrived (about
+        5 us a region, for the run's report after the script: not while the training loop
+        shares the GIL with the pipeline thread)."""
+        with self._lock:
+            made = len(self._regions)
+            if made < len(self._records):
+                self._regions.extend(to_result(r) for r in self._records[made:])
+            return list(self._regions)
 
     def summary(self) -> Summary:
         """The summary of the regions this recorder saw (not of the whole process, unlike
@@ -141,8 +154,8 @@ class RunRecorder:
     def consume(self, records: list[Any]) -> None:
         self._summary.consume(records)
         with self._lock:
-            room = self.limit - len(self.regions)
-            self.regions.extend(to_result(r) for r in records[:max(room, 0)])
+            room = self.limit - len(self._records)
+            self._records.extend(records[:max(room, 0)])
             if len(records) > room:
                 self.dropped += len(records) - max(room, 0)
                 warn_once("run-recorder-full",
