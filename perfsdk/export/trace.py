@@ -89,6 +89,11 @@ then."""
 RENDER_EVERY_S = 1.0
 """Seconds between the writer thread's renderings of the regions that arrived, so that a flush
 or the exit has at most about this long's regions left to render."""
+RENDER_CHUNK = 32
+"""Regions the writer renders between rests outside a flush (about 0.3 ms of work)."""
+RENDER_REST_S = 0.0002
+"""The writer's rest between chunks: it gives the GIL back to the training thread at once."""
+_rest = time.sleep
 
 _LANE_STRIDE = 1 << 22
 """Added to a thread's id per overlap lane (Linux thread ids stay below 2**22)."""
@@ -335,27 +340,37 @@ class TraceSink:
                 self._write()
                 written = now
             else:  # between writes: render what arrived, so a write has little left to do
-                with self._write_lock:
-                    try:
-                        self._render(self._file)
-                    except Exception as exc:  # never end the writer: the next write says why
-                        warn_once("trace-render", f"perfsdk: the trace writer failed ({exc!r})")
+                try:
+                    self._render_paced(self._file)
+                except Exception as exc:  # never end the writer: the next write says why
+                    warn_once("trace-render", f"perfsdk: the trace writer failed ({exc!r})")
             if asked:
                 with self._cond:
                     self._done = target
                     self._cond.notify_all()
 
-    def _render(self, out: _TraceFile) -> int:
-        """Render the regions ``out`` holds pending (the writer's, under its lock); returns the
-        regions dropped so far, for the file's ``otherData``."""
+    def _render(self, out: _TraceFile, limit: int | None = None) -> int:
+        """Render the regions ``out`` holds pending (all, or the first ``limit``; the writer's
+        work, under its lock); returns the regions dropped so far, for the file's
+        ``otherData``."""
         with self._lock:
-            events, out.pending = out.pending, []
+            events = out.pending if limit is None else out.pending[:limit]
+            out.pending = [] if limit is None else out.pending[limit:]
             names = dict(out.threads)
         failed = out.render(events, names)
         with self._lock:
             out.dropped += failed
             out.count -= failed
             return out.dropped
+
+    def _render_paced(self, out: _TraceFile) -> None:
+        """Render the pending regions :data:`RENDER_CHUNK` at a time, resting
+        :data:`RENDER_REST_S` between chunks: the training thread waits at most a chunk's work
+        for the GIL (a second's regions at once held it up to Python's 5 ms switch interval)."""
+        while out.pending:
+            with self._write_lock:
+                self._render(out, RENDER_CHUNK)
+            _rest(RENDER_REST_S)
 
     def _write(self) -> None:
         with self._lock:

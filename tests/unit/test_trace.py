@@ -615,3 +615,38 @@ def test_a_region_that_cannot_be_written_is_counted_and_the_rest_written(
     assert [e["name"] for e in slices(data)] == ["good", "after"]
     assert data["otherData"]["perfsdk.regions"] == 2
     assert data["otherData"]["perfsdk.dropped_regions"] == 1
+
+
+def test_between_writes_the_writer_renders_in_chunks_with_rests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a flush the writer renders a few regions at a time and rests between, so the
+    training thread never waits long for the GIL; a flush then has nothing left to render."""
+    from tests.waiting import wait_until
+
+    batches: list[tuple[int, str]] = []
+    rests: list[float] = []
+    render = trace_module._TraceFile.render
+
+    def noted(self: Any, events: list[Any], threads: Any) -> int:
+        if events:
+            batches.append((len(events), threading.current_thread().name))
+        return render(self, events, threads)
+
+    monkeypatch.setattr(trace_module._TraceFile, "render", noted)
+    monkeypatch.setattr(trace_module, "_rest", rests.append)
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    sink.render_every_s = 0.01
+    with capture() as cap:
+        for i in range(100):
+            with perfsdk.timed_region(f"r{i}"):
+                pass
+    sink.consume(list(cap.records))
+    assert wait_until(lambda: sum(n for n, _ in batches) == 100)
+    assert {name for _, name in batches} == {"perfsdk-trace-writer"}
+    assert max(n for n, _ in batches) <= trace_module.RENDER_CHUNK < 100
+    assert len(rests) >= len(batches)
+    assert set(rests) == {trace_module.RENDER_REST_S}
+    sink.flush(60.0)
+    assert sum(n for n, _ in batches) == 100  # nothing rendered twice
+    assert sink.path is not None
+    assert [e["name"] for e in slices(load(sink.path))] == [f"r{i}" for i in range(100)]
