@@ -103,16 +103,18 @@ def sink_classes() -> dict[str, Any]:
             "python": with_pass(summary._host_times_python), "one_add_each": OneAddEach}
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO_ROOT))  # this checkout's perfsdk
+def step_records(steps: int) -> list[Any]:
+    """The records of ``steps`` training steps, a ``perfsdk.step(samples=8)`` and its three
+    phases each, taken from the pipeline (also ``trace_flush.py``'s)."""
     import perfsdk
-    from perfsdk.export.summary import RESERVOIR
     from perfsdk.testing import capture
 
     forward, backward, optimizer = (perfsdk.phase(n) for n in ("forward", "backward",
                                                                 "optimizer"))
     with capture() as captured:
-        for _ in range(args.steps):
+        for i in range(steps):
+            if i % 5_000 == 0:
+                perfsdk.flush()  # within the pipeline's pending bound (65,536 regions)
             with perfsdk.step(samples=8):
                 with forward:
                     pass
@@ -122,6 +124,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     pass
         perfsdk.auto.end_step()
     records = list(captured.records)
+    if len(records) != 4 * steps:
+        raise RuntimeError(f"captured {len(records):,} records of {4 * steps:,}")
+    return records
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO_ROOT))  # this checkout's perfsdk
+    from perfsdk.export.summary import RESERVOIR
+
+    records = step_records(args.steps)
     classes = {name: cls for name, cls in sink_classes().items() if cls is not None}
     feed = records * max(1, -(-20 * RESERVOIR * 4 // len(records)))  # 20 x RESERVOIR a name
 

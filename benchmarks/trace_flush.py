@@ -39,6 +39,7 @@ from typing import Any
 
 from metrics_cost import stats
 from overhead import clean_environment, fill_counts, machine_info, versions
+from summary_cost import step_records
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "trace_flush.json"
@@ -63,31 +64,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.size_list or min(args.size_list) < 4:
         p.error(f"--sizes {args.sizes!r}: accepted values are integers >= 4, comma-separated")
     return args
-
-
-def step_records(steps: int) -> list[Any]:
-    """The records of ``steps`` training steps, a step and three phases each."""
-    import perfsdk
-    from perfsdk.testing import capture
-
-    forward, backward, optimizer = (perfsdk.phase(n) for n in ("forward", "backward",
-                                                                "optimizer"))
-    with capture() as captured:
-        for i in range(steps):
-            if i % 5_000 == 0:
-                perfsdk.flush()  # within the pipeline's pending bound (65,536 regions)
-            with perfsdk.step(samples=8):
-                with forward:
-                    pass
-                with backward:
-                    pass
-                with optimizer:
-                    pass
-        perfsdk.auto.end_step()
-    records = list(captured.records)
-    if len(records) != 4 * steps:
-        raise RuntimeError(f"captured {len(records):,} records of {4 * steps:,}")
-    return records
 
 
 def writer_cpu_ns() -> int:
