@@ -676,9 +676,34 @@ def _atomic_write(path: Path, parts: list[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with tmp.open("wb") as f:
-            f.writelines(parts)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            _write_all(fd, parts)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+_IOV = 512
+"""Buffers per ``os.writev`` call (below every platform's IOV_MAX, 1024 on Linux)."""
+
+
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    """Write ``parts`` to ``fd`` in few system calls, each with the GIL released: ``os.writev``
+    of :data:`_IOV` buffers at a time (a short write's rest is written after). Writing each
+    part on its own (``writelines``) took the GIL back after every buffer's flush: beside a
+    training thread that held it, each of those waited up to Python's 5 ms switch interval,
+    and 43 MB took 32 s instead of 0.12 s."""
+    writev = getattr(os, "writev", None)
+    if writev is None:  # no writev (Windows): one write of the whole text
+        parts = [b"".join(parts)]
+    for i in range(0, len(parts), _IOV):
+        batch = parts[i:i + _IOV]
+        done = writev(fd, batch) if writev is not None else 0
+        if done < sum(len(b) for b in batch):  # a short write (or no writev): the rest
+            rest = memoryview(b"".join(batch))[done:]
+            while rest:
+                rest = rest[os.write(fd, rest):]

@@ -650,3 +650,31 @@ def test_between_writes_the_writer_renders_in_chunks_with_rests(
     assert sum(n for n, _ in batches) == 100  # nothing rendered twice
     assert sink.path is not None
     assert [e["name"] for e in slices(load(sink.path))] == [f"r{i}" for i in range(100)]
+
+
+@pytest.mark.parametrize("how", ["writev", "short writes", "no writev"])
+def test_the_file_is_written_in_few_system_calls_whole(tmp_path: Path, how: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text goes out in os.writev calls of at most 512 buffers (each releases the GIL once;
+    a write per buffer waited for the GIL after each, behind a busy training thread); a short
+    write's rest, and a platform without writev, still give the whole file."""
+    parts = [f"part {i:05d}\n".encode() * (1 + i % 7) for i in range(1_300)]
+    calls: list[int] = []
+    writev = os.writev
+
+    def noted(fd: int, buffers: list[bytes]) -> int:
+        calls.append(len(buffers))
+        if how == "short writes":
+            return os.write(fd, buffers[0][:3])  # what a signal or a full pipe may leave
+        return writev(fd, buffers)
+
+    if how == "no writev":
+        monkeypatch.delattr(os, "writev")
+    else:
+        monkeypatch.setattr(os, "writev", noted)
+    path = tmp_path / "t.json"
+    trace_module._atomic_write(path, parts)
+    assert path.read_bytes() == b"".join(parts)
+    if how != "no writev":
+        assert calls == [512, 512, 276]
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
