@@ -349,14 +349,16 @@ class TraceSink:
                     self._done = target
                     self._cond.notify_all()
 
-    def _render(self, out: _TraceFile, limit: int | None = None) -> int:
-        """Render the regions ``out`` holds pending (all, or the first ``limit``; the writer's
-        work, under its lock); returns the regions dropped so far, for the file's
-        ``otherData``."""
+    def _render(self, out: _TraceFile) -> int:
+        """Render the regions ``out`` holds pending (the writer's work, under its lock);
+        returns the regions dropped so far, for the file's ``otherData``."""
         with self._lock:
-            events = out.pending if limit is None else out.pending[:limit]
-            out.pending = [] if limit is None else out.pending[limit:]
+            events, out.pending = out.pending, []
             names = dict(out.threads)
+        return self._render_events(out, events, names)
+
+    def _render_events(self, out: _TraceFile, events: list[_Event],
+                       names: Mapping[int, tuple[int, str]]) -> int:
         failed = out.render(events, names)
         with self._lock:
             out.dropped += failed
@@ -366,10 +368,18 @@ class TraceSink:
     def _render_paced(self, out: _TraceFile) -> None:
         """Render the pending regions :data:`RENDER_CHUNK` at a time, resting
         :data:`RENDER_REST_S` between chunks: the training thread waits at most a chunk's work
-        for the GIL (a second's regions at once held it up to Python's 5 ms switch interval)."""
-        while out.pending:
+        for the GIL (a second's regions at once held it up to Python's 5 ms switch interval).
+        A write asked for meanwhile (a flush) gets the rest rendered at once."""
+        with self._lock:
+            events, out.pending = out.pending, []
+            names = dict(out.threads)
+        for i in range(0, len(events), RENDER_CHUNK):
+            if self._requested > self._done:  # someone waits: no more rests
+                with self._write_lock:
+                    self._render_events(out, events[i:], names)
+                return
             with self._write_lock:
-                self._render(out, RENDER_CHUNK)
+                self._render_events(out, events[i:i + RENDER_CHUNK], names)
             _rest(RENDER_REST_S)
 
     def _write(self) -> None:

@@ -678,3 +678,39 @@ def test_the_file_is_written_in_few_system_calls_whole(tmp_path: Path, how: str,
     if how != "no writev":
         assert calls == [512, 512, 276]
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_a_flush_asked_during_paced_rendering_gets_the_rest_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.waiting import wait_until
+
+    batches: list[int] = []
+    render = trace_module._TraceFile.render
+
+    def noted(self: Any, events: list[Any], threads: Any) -> int:
+        if events:
+            batches.append(len(events))
+        return render(self, events, threads)
+
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    rests: list[float] = []
+
+    def rest_then_ask(seconds: float) -> None:
+        rests.append(seconds)
+        if len(rests) == 1:
+            sink._request()  # a flush arrives after the first chunk
+
+    monkeypatch.setattr(trace_module._TraceFile, "render", noted)
+    monkeypatch.setattr(trace_module, "_rest", rest_then_ask)
+    sink.render_every_s = 0.01
+    with capture() as cap:
+        for i in range(100):
+            with perfsdk.timed_region(f"r{i}"):
+                pass
+    sink.consume(list(cap.records))
+    assert wait_until(lambda: sum(batches) == 100)
+    assert batches == [trace_module.RENDER_CHUNK, 100 - trace_module.RENDER_CHUNK]
+    assert len(rests) == 1
+    sink.flush(60.0)
+    assert sink.path is not None
+    assert len(slices(load(sink.path))) == 100
