@@ -686,7 +686,8 @@ def _atomic_write(path: Path, parts: list[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0),
+                     0o666)  # O_BINARY: Windows, where os.open is text mode otherwise
         try:
             _write_all(fd, parts)
         finally:
