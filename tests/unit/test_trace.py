@@ -617,14 +617,9 @@ def test_a_region_that_cannot_be_written_is_counted_and_the_rest_written(
     assert data["otherData"]["perfsdk.dropped_regions"] == 1
 
 
-def test_between_writes_the_writer_renders_in_chunks_with_rests(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outside a flush the writer renders a few regions at a time and rests between, so the
-    training thread never waits long for the GIL; a flush then has nothing left to render."""
-    from tests.waiting import wait_until
-
+def renders_noted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """(regions, thread name) of each rendering of a trace file, from now on."""
     batches: list[tuple[int, str]] = []
-    rests: list[float] = []
     render = trace_module._TraceFile.render
 
     def noted(self: Any, events: list[Any], threads: Any) -> int:
@@ -633,14 +628,29 @@ def test_between_writes_the_writer_renders_in_chunks_with_rests(
         return render(self, events, threads)
 
     monkeypatch.setattr(trace_module._TraceFile, "render", noted)
-    monkeypatch.setattr(trace_module, "_rest", rests.append)
-    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
-    sink.render_every_s = 0.01
+    return batches
+
+
+def hundred_records() -> list[Any]:
     with capture() as cap:
         for i in range(100):
             with perfsdk.timed_region(f"r{i}"):
                 pass
-    sink.consume(list(cap.records))
+    return list(cap.records)
+
+
+def test_between_writes_the_writer_renders_in_chunks_with_rests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a flush the writer renders a few regions at a time and rests between, so the
+    training thread never waits long for the GIL; a flush then has nothing left to render."""
+    from tests.waiting import wait_until
+
+    batches = renders_noted(monkeypatch)
+    rests: list[float] = []
+    monkeypatch.setattr(trace_module, "_rest", rests.append)
+    sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
+    sink.render_every_s = 0.01
+    sink.consume(hundred_records())
     assert wait_until(lambda: sum(n for n, _ in batches) == 100)
     assert {name for _, name in batches} == {"perfsdk-trace-writer"}
     assert max(n for n, _ in batches) <= trace_module.RENDER_CHUNK < 100
@@ -684,14 +694,7 @@ def test_a_flush_asked_during_paced_rendering_gets_the_rest_at_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.waiting import wait_until
 
-    batches: list[int] = []
-    render = trace_module._TraceFile.render
-
-    def noted(self: Any, events: list[Any], threads: Any) -> int:
-        if events:
-            batches.append(len(events))
-        return render(self, events, threads)
-
+    batches = renders_noted(monkeypatch)
     sink = TraceSink(Config(exporters=("trace",), output_dir=tmp_path))
     rests: list[float] = []
 
@@ -700,16 +703,12 @@ def test_a_flush_asked_during_paced_rendering_gets_the_rest_at_once(
         if len(rests) == 1:
             sink._request()  # a flush arrives after the first chunk
 
-    monkeypatch.setattr(trace_module._TraceFile, "render", noted)
     monkeypatch.setattr(trace_module, "_rest", rest_then_ask)
     sink.render_every_s = 0.01
-    with capture() as cap:
-        for i in range(100):
-            with perfsdk.timed_region(f"r{i}"):
-                pass
-    sink.consume(list(cap.records))
-    assert wait_until(lambda: sum(batches) == 100)
-    assert batches == [trace_module.RENDER_CHUNK, 100 - trace_module.RENDER_CHUNK]
+    sink.consume(hundred_records())
+    assert wait_until(lambda: sum(n for n, _ in batches) == 100)
+    assert [n for n, _ in batches] == [trace_module.RENDER_CHUNK,
+                                       100 - trace_module.RENDER_CHUNK]
     assert len(rests) == 1
     sink.flush(60.0)
     assert sink.path is not None
