@@ -349,13 +349,16 @@ class TraceSink:
                     self._done = target
                     self._cond.notify_all()
 
+    def _take(self, out: _TraceFile) -> tuple[list[_Event], dict[int, tuple[int, str]]]:
+        """The regions ``out`` holds pending, taken from it, and the thread names they need."""
+        with self._lock:
+            events, out.pending = out.pending, []
+            return events, dict(out.threads)
+
     def _render(self, out: _TraceFile) -> int:
         """Render the regions ``out`` holds pending (the writer's work, under its lock);
         returns the regions dropped so far, for the file's ``otherData``."""
-        with self._lock:
-            events, out.pending = out.pending, []
-            names = dict(out.threads)
-        return self._render_events(out, events, names)
+        return self._render_events(out, *self._take(out))
 
     def _render_events(self, out: _TraceFile, events: list[_Event],
                        names: Mapping[int, tuple[int, str]]) -> int:
@@ -370,9 +373,7 @@ class TraceSink:
         :data:`RENDER_REST_S` between chunks: the training thread waits at most a chunk's work
         for the GIL (a second's regions at once held it up to Python's 5 ms switch interval).
         A write asked for meanwhile (a flush) gets the rest rendered at once."""
-        with self._lock:
-            events, out.pending = out.pending, []
-            names = dict(out.threads)
+        events, names = self._take(out)
         for i in range(0, len(events), RENDER_CHUNK):
             if self._requested > self._done:  # someone waits: no more rests
                 with self._write_lock:
